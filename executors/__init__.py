@@ -1,0 +1,32 @@
+"""Back ends that compile and run graphlm graphs.
+
+Contract (design.md section 6): ``executor.compile(graph, outputs) -> Program`` and
+``Program.run(feeds, state=None) -> list[np.ndarray]``. `feeds` maps input names to arrays;
+`state` maps param/state names to arrays that the program reads and, for update ops, writes
+in place, so several programs can share one state.
+"""
+from __future__ import annotations
+
+from graphlm.backends import available_executors, get_executor, register_executor
+
+from .base import Program
+
+
+def get(name: str):
+    """The executor called `name`: "reference" (the oracle) or "numpy" (planned memory)."""
+    return get_executor(name)
+
+
+def compile(graph, outputs, executor: str = "reference") -> Program:
+    """Shortcut for ``executors.get(executor).compile(graph, outputs)``."""
+    return get(executor).compile(graph, outputs)
+
+
+def _reference():
+    from .reference import ReferenceExecutor
+    return ReferenceExecutor()
+
+
+register_executor("reference", _reference)
+
+__all__ = ["get", "compile", "Program", "available_executors", "register_executor"]

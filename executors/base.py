@@ -1,0 +1,121 @@
+"""What every executor shares: the program's view of a graph and the checks on feeds and state."""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from graphlm.ir import LEAF_OPS, Graph, GraphError, Tensor, fmt_shape
+from graphlm.registry import REGISTRY
+
+
+class ExecutionError(ValueError):
+    """A run could not go on: bad data met by a kernel (an out-of-range token id, ...)."""
+
+
+def node_where(node: Tensor) -> str:
+    return f"{node.op} ({node.label} in {node.scope or '<root>'})"
+
+
+def check_index_range(node: Tensor, ids: np.ndarray, limit: int, what: str = "id") -> None:
+    """Raise a clear error instead of wrapping negative ids or reading out of bounds."""
+    if ids.size and (ids.min() < 0 or ids.max() >= limit):
+        bad = ids[(ids < 0) | (ids >= limit)].reshape(-1)[0]
+        raise ExecutionError(f"{node_where(node)}: {what} {int(bad)} is out of range [0, {limit})")
+
+
+def normalize_outputs(graph: Graph, outputs) -> list[Tensor]:
+    outputs = [outputs] if isinstance(outputs, Tensor) else list(outputs)
+    if not outputs:
+        raise GraphError("compile: no outputs given")
+    for o in outputs:
+        if not isinstance(o, Tensor):
+            raise GraphError(f"compile: output {o!r} is not a graphlm.Tensor")
+        if o.graph is not graph:
+            raise GraphError(f"compile: output {o.label} belongs to graph '{o.graph.name}', "
+                             f"not '{graph.name}'")
+    return outputs
+
+
+def needed_nodes(outputs: Sequence[Tensor]) -> list[Tensor]:
+    """The nodes the outputs depend on, in creation (topological) order."""
+    graph = outputs[0].graph
+    seen: set[int] = set()
+    stack = list(outputs)
+    while stack:
+        n = stack.pop()
+        if n.id in seen:
+            continue
+        seen.add(n.id)
+        stack.extend(i for i in n.inputs if i.id not in seen)
+    return [graph.nodes[i] for i in sorted(seen)]
+
+
+def missing_kernels(nodes: Sequence[Tensor], kernels: Mapping) -> list[str]:
+    return sorted({n.op for n in nodes if n.op not in kernels and n.op not in LEAF_OPS})
+
+
+class Program:
+    """A compiled graph. Subclasses implement `run`; this class checks feeds and state."""
+
+    executor_name = "?"
+
+    def __init__(self, graph: Graph, outputs, kernels: Mapping):
+        self.graph = graph
+        self.outputs = normalize_outputs(graph, outputs)
+        self.nodes = needed_nodes(self.outputs)
+        missing = missing_kernels(self.nodes, kernels)
+        if missing:
+            raise NotImplementedError(f"the {self.executor_name} executor has no kernel for op "
+                                      f"{', '.join(repr(m) for m in missing)}; cannot compile "
+                                      f"graph '{graph.name}'")
+        self.input_nodes = {n.name: n for n in self.nodes if n.op == "input"}
+        self.state_nodes = {n.name: n for n in self.nodes if n.op in ("param", "state")}
+        self.written_state = sorted({n.inputs[i].name for n in self.nodes
+                                     if REGISTRY[n.op].updates_state
+                                     for i in n.attrs.get("writes", ())})
+
+    def __repr__(self):
+        return (f"<{type(self).__name__} of '{self.graph.name}': {len(self.nodes)} nodes, "
+                f"{len(self.outputs)} outputs>")
+
+    # -- checks ------------------------------------------------------------------------------
+    def check_feeds(self, feeds: Mapping[str, np.ndarray] | None) -> dict[str, np.ndarray]:
+        feeds = dict(feeds or {})
+        for name in feeds:
+            if name not in self.input_nodes:
+                known = ", ".join(sorted(self.input_nodes)) or "none"
+                kind = "an input of the graph that these outputs do not use" \
+                    if name in self.graph.inputs else "not an input of the graph"
+                raise ValueError(f"unexpected feed '{name}': {kind} (this program reads: {known})")
+        for name, node in self.input_nodes.items():
+            if name not in feeds:
+                raise ValueError(f"missing feed for input '{name}' (expected {fmt_shape(node.shape)} "
+                                 f"{node.dtype})")
+            feeds[name] = _check_array("feed for input", node, feeds[name])
+        return feeds
+
+    def check_state(self, state: Mapping[str, np.ndarray] | None) -> Mapping[str, np.ndarray]:
+        state = state if state is not None else {}
+        for name, node in self.state_nodes.items():
+            if name not in state:
+                raise ValueError(f"missing state for {node.op} '{name}' (expected "
+                                 f"{fmt_shape(node.shape)} {node.dtype})")
+            arr = _check_array(f"state for {node.op}", node, state[name])
+            if arr is not state[name]:
+                raise ValueError(f"state for {node.op} '{name}' must be a numpy array, got "
+                                 f"{type(state[name]).__name__}")
+            if name in self.written_state and not (arr.flags.writeable and arr.flags.c_contiguous):
+                raise ValueError(f"state for {node.op} '{name}' is updated in place, so it must be a "
+                                 "writable C-contiguous array")
+        return state
+
+
+def _check_array(what: str, node: Tensor, value) -> np.ndarray:
+    arr = value if isinstance(value, np.ndarray) else np.asarray(value)
+    if arr.dtype == np.float64 and not isinstance(value, np.ndarray) and node.dtype == np.float32:
+        arr = arr.astype(np.float32)  # a Python list of floats: take it as the node's dtype
+    if arr.shape != node.shape or arr.dtype != node.dtype:
+        raise ValueError(f"{what} '{node.name}': expected {fmt_shape(node.shape)} {node.dtype}, "
+                         f"got {fmt_shape(arr.shape)} {arr.dtype}")
+    return arr

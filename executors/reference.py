@@ -1,0 +1,255 @@
+"""The reference executor: every node evaluated into a fresh NumPy array. Simple on purpose.
+
+This is the oracle the other executors are tested against, so each kernel is the plainest
+NumPy form of its op's definition (graphlm/ops.py). It computes in the nodes' own dtypes.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import numpy as np
+from scipy import special
+
+from graphlm.random import dropout_keep_scale
+from graphlm.ir import Tensor
+
+from .base import ExecutionError, Program, check_index_range, node_where
+
+GELU_C = math.sqrt(2.0 / math.pi)
+GELU_K = 0.044715
+KERNELS: dict[str, Callable] = {}
+
+
+def kernel(*names):
+    def deco(fn):
+        for name in names:
+            KERNELS[name] = fn
+        return fn
+    return deco
+
+
+def _s(x, like):
+    """A Python scalar as `like`'s dtype (so float32 stays float32)."""
+    return np.asarray(x, dtype=like.dtype)
+
+
+# -- elementwise ------------------------------------------------------------------------------------
+for _name, _fn in {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide,
+                   "maximum": np.maximum, "greater": np.greater, "less": np.less,
+                   "equal": np.equal}.items():
+    KERNELS[_name] = (lambda fn: lambda node, a, b: fn(a, b))(_fn)
+for _name, _fn in {"neg": np.negative, "exp": np.exp, "log": np.log, "sqrt": np.sqrt,
+                   "tanh": np.tanh, "sigmoid": special.expit, "square": np.square,
+                   "erf": special.erf}.items():
+    KERNELS[_name] = (lambda fn: lambda node, x: fn(x))(_fn)
+
+kernel("rsqrt")(lambda node, x: _s(1.0, x) / np.sqrt(x))
+kernel("relu")(lambda node, x: np.maximum(x, _s(0.0, x)))
+kernel("silu")(lambda node, x: x * special.expit(x))
+kernel("pow")(lambda node, x: np.power(x, _s(node.attrs["exponent"], x)))
+kernel("cast")(lambda node, x: x.astype(node.dtype))
+kernel("where")(lambda node, c, a, b: np.where(c, a, b))
+
+
+@kernel("gelu")
+def gelu(node, x):
+    if node.attrs["approximate"] == "tanh":
+        return _s(0.5, x) * x * (_s(1.0, x) + np.tanh(_s(GELU_C, x) * (x + _s(GELU_K, x) * x * x * x)))
+    return _s(0.5, x) * x * (_s(1.0, x) + special.erf(x * _s(1 / math.sqrt(2.0), x)))
+
+
+@kernel("gelu_backward")
+def gelu_backward(node, x, g):
+    if node.attrs["approximate"] == "tanh":
+        t = np.tanh(_s(GELU_C, x) * (x + _s(GELU_K, x) * x * x * x))
+        d = _s(0.5, x) * (_s(1.0, x) + t) + _s(0.5, x) * x * (_s(1.0, x) - t * t) * \
+            (_s(GELU_C, x) * (_s(1.0, x) + _s(3 * GELU_K, x) * x * x))
+    else:
+        d = _s(0.5, x) * (_s(1.0, x) + special.erf(x * _s(1 / math.sqrt(2.0), x))) + \
+            x * np.exp(_s(-0.5, x) * x * x) * _s(1 / math.sqrt(2 * math.pi), x)
+    return g * d
+
+
+# -- reductions --------------------------------------------------------------------------------------
+kernel("sum")(lambda node, x: np.sum(x, axis=node.attrs["axes"], keepdims=node.attrs["keepdims"]))
+kernel("mean")(lambda node, x: np.mean(x, axis=node.attrs["axes"], keepdims=node.attrs["keepdims"]))
+kernel("max")(lambda node, x: np.max(x, axis=node.attrs["axes"], keepdims=node.attrs["keepdims"]))
+
+# -- views and data movement -------------------------------------------------------------------------
+kernel("reshape")(lambda node, x: np.reshape(x, node.shape))
+kernel("transpose")(lambda node, x: np.transpose(x, node.attrs["axes"]))
+kernel("broadcast_to")(lambda node, x: np.broadcast_to(x, node.shape))
+kernel("slice")(lambda node, x: x[node.attrs["index"]])
+kernel("concat")(lambda node, *xs: np.concatenate(xs, axis=node.attrs["axis"]))
+kernel("matmul")(lambda node, a, b: np.matmul(a, b))
+
+
+@kernel("slice_backward")
+def slice_backward(node, g):
+    out = np.zeros(node.shape, node.dtype)
+    out[node.attrs["index"]] = g
+    return out
+
+
+# -- gather / scatter ----------------------------------------------------------------------------------
+@kernel("embedding")
+def embedding(node, table, ids):
+    check_index_range(node, ids, table.shape[0], "token id")
+    return table[ids]
+
+
+@kernel("embedding_backward")
+def embedding_backward(node, ids, g):
+    check_index_range(node, ids, node.shape[0], "token id")
+    out = np.zeros(node.shape, node.dtype)
+    np.add.at(out, ids.reshape(-1), g.reshape(-1, node.shape[1]))
+    return out
+
+
+@kernel("one_hot")
+def one_hot(node, ids):
+    depth = node.attrs["depth"]
+    check_index_range(node, ids, depth)
+    return (ids[..., None] == np.arange(depth)).astype(node.dtype)
+
+
+# -- fused NN ops --------------------------------------------------------------------------------------
+@kernel("softmax")
+def softmax(node, x):
+    e = np.exp(x - np.max(x, axis=node.attrs["axis"], keepdims=True))
+    return e / np.sum(e, axis=node.attrs["axis"], keepdims=True)
+
+
+@kernel("softmax_backward")
+def softmax_backward(node, y, g):
+    return y * (g - np.sum(g * y, axis=node.attrs["axis"], keepdims=True))
+
+
+@kernel("log_softmax")
+def log_softmax(node, x):
+    s = x - np.max(x, axis=node.attrs["axis"], keepdims=True)
+    return s - np.log(np.sum(np.exp(s), axis=node.attrs["axis"], keepdims=True))
+
+
+@kernel("log_softmax_backward")
+def log_softmax_backward(node, y, g):
+    return g - np.exp(y) * np.sum(g, axis=node.attrs["axis"], keepdims=True)
+
+
+def _norm_args(node, arrays):
+    arrays = list(arrays)
+    x = arrays.pop(0)
+    w = arrays.pop(0) if node.attrs.get("has_weight") else None
+    b = arrays.pop(0) if node.attrs.get("has_bias") else None
+    return x, w, b, arrays
+
+
+@kernel("layer_norm")
+def layer_norm(node, *arrays):
+    x, w, b, _ = _norm_args(node, arrays)
+    xc = x - np.mean(x, axis=-1, keepdims=True)
+    y = xc / np.sqrt(np.mean(xc * xc, axis=-1, keepdims=True) + _s(node.attrs["eps"], x))
+    if w is not None:
+        y = y * w
+    if b is not None:
+        y = y + b
+    return y
+
+
+@kernel("layer_norm_backward")
+def layer_norm_backward(node, *arrays):
+    x, w, _, (g,) = _norm_args(node, arrays)
+    xc = x - np.mean(x, axis=-1, keepdims=True)
+    r = _s(1.0, x) / np.sqrt(np.mean(xc * xc, axis=-1, keepdims=True) + _s(node.attrs["eps"], x))
+    xhat = xc * r
+    gh = g * w if w is not None else g
+    return r * (gh - np.mean(gh, axis=-1, keepdims=True) - xhat * np.mean(gh * xhat, axis=-1, keepdims=True))
+
+
+@kernel("rms_norm")
+def rms_norm(node, *arrays):
+    x, w, _, _ = _norm_args(node, arrays)
+    y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + _s(node.attrs["eps"], x))
+    return y * w if w is not None else y
+
+
+@kernel("rms_norm_backward")
+def rms_norm_backward(node, *arrays):
+    x, w, _, (g,) = _norm_args(node, arrays)
+    r = _s(1.0, x) / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + _s(node.attrs["eps"], x))
+    gh = g * w if w is not None else g
+    return r * gh - x * (r * r * r) * np.mean(gh * x, axis=-1, keepdims=True)
+
+
+@kernel("cross_entropy")
+def cross_entropy(node, logits, targets):
+    check_index_range(node, targets, logits.shape[1], "target")
+    m = np.max(logits, axis=1, keepdims=True)
+    lse = np.log(np.sum(np.exp(logits - m), axis=1)) + m[:, 0]
+    picked = logits[np.arange(logits.shape[0]), targets]
+    return np.mean(lse - picked).astype(logits.dtype)
+
+
+@kernel("cross_entropy_backward")
+def cross_entropy_backward(node, logits, targets, g):
+    check_index_range(node, targets, logits.shape[1], "target")
+    p = _softmax_rows(logits)
+    p[np.arange(logits.shape[0]), targets] -= _s(1.0, logits)
+    return p * (g / _s(logits.shape[0], logits))
+
+
+def _softmax_rows(x):
+    e = np.exp(x - np.max(x, axis=-1, keepdims=True))
+    return e / np.sum(e, axis=-1, keepdims=True)
+
+
+@kernel("causal_mask")
+def causal_mask(node, x):
+    t, s = x.shape[-2:]
+    keep = np.tri(t, s, k=node.attrs["offset"], dtype=bool)
+    return np.where(keep, x, _s(node.attrs["fill"], x))
+
+
+@kernel("dropout")
+def dropout(node, x, key):
+    return x * dropout_keep_scale(int(key), node.attrs["stream"], x.shape, node.attrs["p"], x.dtype)
+
+
+@kernel("dropout_mask")
+def dropout_mask(node, key):
+    return dropout_keep_scale(int(key), node.attrs["stream"], node.shape, node.attrs["p"], node.dtype)
+
+
+# -- the executor ---------------------------------------------------------------------------------------
+class ReferenceProgram(Program):
+    executor_name = "reference"
+
+    def run(self, feeds=None, state=None) -> list[np.ndarray]:
+        feeds = self.check_feeds(feeds)
+        state = self.check_state(state)
+        values: dict[int, np.ndarray] = {}
+        for node in self.nodes:
+            if node.op == "input":
+                values[node.id] = feeds[node.name]
+            elif node.op in ("param", "state"):
+                values[node.id] = state[node.name]
+            elif node.op == "const":
+                values[node.id] = node.attrs["value"]
+            else:
+                with np.errstate(all="ignore"):
+                    out = KERNELS[node.op](node, *(values[i.id] for i in node.inputs))
+                out = np.asarray(out)
+                if out.shape != node.shape or out.dtype != node.dtype:
+                    raise ExecutionError(f"{node_where(node)}: kernel gave {out.shape} {out.dtype}, "
+                                         f"expected {node.shape} {node.dtype}")
+                values[node.id] = out
+        return [np.array(values[o.id], copy=True) for o in self.outputs]
+
+
+class ReferenceExecutor:
+    name = "reference"
+    kernels = KERNELS
+
+    def compile(self, graph, outputs) -> ReferenceProgram:
+        return ReferenceProgram(graph, outputs, KERNELS)

@@ -1,0 +1,1045 @@
+"""Every op of graphlm, one section per op: its public function, shape rule, VJP and flags.
+
+The public functions follow NumPy's names and signatures (``gl.sum(x, axis=1, keepdims=True)``).
+Python scalars in ops become consts of the other operand's dtype (nothing upcasts to float64).
+Fused ops (softmax, layer_norm, cross_entropy, ...) have their own backward ops, and every fused op
+also states its decomposition into simpler ops; the tests check that the two agree.
+"""
+from __future__ import annotations
+
+import builtins
+import math
+from typing import Sequence
+
+import numpy as np
+
+from .ir import GraphError, ShapeError, Tensor, fmt_shape
+from .registry import apply, graph_of, register
+
+_pysum, _pymax, _pyslice = builtins.sum, builtins.max, builtins.slice
+
+FLOAT_KINDS = "f"
+
+
+# ================================================================================================
+# helpers shared by the rules
+# ================================================================================================
+
+def lift(x, like: Tensor) -> Tensor:
+    """Turn a Python/NumPy scalar or array into a const of `like`'s graph (and dtype for scalars)."""
+    if isinstance(x, Tensor):
+        return x
+    if isinstance(x, np.ndarray) and x.ndim > 0:
+        return like.graph.const(x)
+    if isinstance(x, (bool, int, float, np.generic, np.ndarray)):
+        return like.graph.const(np.asarray(x).astype(like.dtype))
+    raise TypeError(f"cannot use {type(x).__name__} as an operand of a graphlm op")
+
+
+def _lift_pair(a, b) -> tuple[Tensor, Tensor]:
+    if isinstance(a, Tensor):
+        return a, lift(b, a)
+    if isinstance(b, Tensor):
+        return lift(a, b), b
+    raise TypeError("an op needs at least one graphlm.Tensor operand")
+
+
+def broadcast_shapes(*shapes) -> tuple[int, ...]:
+    try:
+        return tuple(np.broadcast_shapes(*shapes))
+    except ValueError:
+        raise ShapeError("cannot broadcast " + " with ".join(fmt_shape(s) for s in shapes)) from None
+
+
+def _same_dtype(inputs) -> np.dtype:
+    dts = {t.dtype for t in inputs}
+    if len(dts) > 1:
+        raise ShapeError("dtype mismatch: " + ", ".join(f"{fmt_shape(t.shape)} {t.dtype}" for t in inputs)
+                         + " (cast explicitly; graphlm never upcasts silently)")
+    return inputs[0].dtype
+
+
+def _require_float(t: Tensor, what="input"):
+    if t.dtype.kind != "f":
+        raise ShapeError(f"{what} must be floating point, got {t.dtype} {fmt_shape(t.shape)}")
+
+
+def _require_int(t: Tensor, what="ids"):
+    if t.dtype.kind not in "iu":
+        raise ShapeError(f"{what} must be an integer tensor, got {t.dtype} {fmt_shape(t.shape)}")
+
+
+def unbroadcast(g: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """Sum a cotangent of a broadcast result back to an input's `shape`."""
+    if g.shape == tuple(shape):
+        return g
+    lead = g.ndim - len(shape)
+    axes = tuple(range(lead)) + tuple(lead + i for i, d in enumerate(shape)
+                                      if d == 1 and g.shape[lead + i] != 1)
+    out = sum(g, axis=axes, keepdims=True) if axes else g
+    return reshape(out, shape)
+
+
+def normalize_axes(axis, ndim: int) -> tuple[int, ...]:
+    if axis is None:
+        return tuple(range(ndim))
+    axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
+    out = []
+    for a in axes:
+        a = int(a)
+        if not -ndim <= a < max(ndim, 1) or (ndim == 0):
+            raise ShapeError(f"axis {a} is out of range for {ndim}-d input")
+        out.append(a % ndim)
+    if len(set(out)) != len(out):
+        raise ShapeError(f"repeated axis in {axis}")
+    return tuple(sorted(out))
+
+
+def _keepdims_shape(shape, axes):
+    return tuple(1 if i in axes else d for i, d in enumerate(shape))
+
+
+def _reduced_shape(shape, axes, keepdims):
+    if keepdims:
+        return _keepdims_shape(shape, axes)
+    return tuple(d for i, d in enumerate(shape) if i not in axes)
+
+
+def _last_axis(axis, ndim):
+    (a,) = normalize_axes(axis, ndim)
+    return a
+
+
+# ================================================================================================
+# leaves (made by Graph.input/param/state/const, never by apply)
+# ================================================================================================
+
+def _leaf_infer(inputs, attrs):
+    raise ShapeError("leaves are made by Graph.input/param/state/const")
+
+
+for _name, _doc in (("input", "fed on every run"), ("param", "trainable, persistent"),
+                    ("state", "persistent, not trainable (moments, RNG keys, KV caches)"),
+                    ("const", "a value baked into the graph")):
+    register(_name, _leaf_infer, doc=_doc, vjp_doc="(a leaf: where gradients arrive)")
+
+
+# ================================================================================================
+# elementwise ops
+# ================================================================================================
+
+def _infer_same(inputs, attrs):
+    (x,) = inputs
+    _require_float(x)
+    return x.shape, x.dtype
+
+
+def _infer_binary(inputs, attrs):
+    return broadcast_shapes(*(t.shape for t in inputs)), _same_dtype(inputs)
+
+
+def _infer_compare(inputs, attrs):
+    shape, _ = _infer_binary(inputs, attrs)
+    return shape, np.bool_
+
+
+def _unary(name, vjp, doc, vjp_doc, decompose=None):
+    register(name, _infer_same, vjp=vjp, decompose=decompose, elementwise=True, inplace=True,
+             doc=doc, vjp_doc=vjp_doc)
+
+
+def _binary(name, vjp, doc, vjp_doc):
+    register(name, _infer_binary, vjp=vjp, elementwise=True, inplace=True, doc=doc, vjp_doc=vjp_doc)
+
+
+# --- add, sub, mul, div, maximum ------------------------------------------------------------------
+_binary("add", lambda y, g: [unbroadcast(g, y.inputs[0].shape), unbroadcast(g, y.inputs[1].shape)],
+        "a + b (broadcasting)", "g, g (each summed back to its input's shape)")
+_binary("sub", lambda y, g: [unbroadcast(g, y.inputs[0].shape), unbroadcast(neg(g), y.inputs[1].shape)],
+        "a - b (broadcasting)", "g, -g")
+_binary("mul", lambda y, g: [unbroadcast(g * y.inputs[1], y.inputs[0].shape),
+                             unbroadcast(g * y.inputs[0], y.inputs[1].shape)],
+        "a * b (broadcasting)", "g*b, g*a")
+_binary("div", lambda y, g: [unbroadcast(g / y.inputs[1], y.inputs[0].shape),
+                             unbroadcast(neg(g) * y / y.inputs[1], y.inputs[1].shape)],
+        "a / b (broadcasting)", "g/b, -g*y/b")
+
+
+def _maximum_vjp(y, g):
+    a, b = y.inputs
+    one, half, zero = lift(1.0, g), lift(0.5, g), lift(0.0, g)
+    ga = g * where(greater(a, b), one, where(equal(a, b), half, zero))
+    return [unbroadcast(ga, a.shape), unbroadcast(g - ga, b.shape)]
+
+
+_binary("maximum", _maximum_vjp, "elementwise max(a, b)", "g routed to the larger input (split evenly on ties)")
+
+
+def add(a, b) -> Tensor:
+    """a + b with NumPy broadcasting."""
+    return apply("add", _lift_pair(a, b))
+
+
+def sub(a, b) -> Tensor:
+    """a - b with NumPy broadcasting."""
+    return apply("sub", _lift_pair(a, b))
+
+
+def mul(a, b) -> Tensor:
+    """a * b with NumPy broadcasting."""
+    return apply("mul", _lift_pair(a, b))
+
+
+def div(a, b) -> Tensor:
+    """a / b with NumPy broadcasting."""
+    return apply("div", _lift_pair(a, b))
+
+
+def maximum(a, b) -> Tensor:
+    """Elementwise maximum with NumPy broadcasting (ties share the gradient evenly)."""
+    return apply("maximum", _lift_pair(a, b))
+
+
+# --- comparisons (no gradient) --------------------------------------------------------------------
+for _name, _doc in (("greater", "a > b"), ("less", "a < b"), ("equal", "a == b")):
+    register(_name, _infer_compare, elementwise=True, differentiable=False, doc=_doc + " (bool)",
+             vjp_doc="not differentiable")
+
+
+def greater(a, b) -> Tensor:
+    """a > b, a bool tensor."""
+    return apply("greater", _lift_pair(a, b))
+
+
+def less(a, b) -> Tensor:
+    """a < b, a bool tensor."""
+    return apply("less", _lift_pair(a, b))
+
+
+def equal(a, b) -> Tensor:
+    """a == b, a bool tensor."""
+    return apply("equal", _lift_pair(a, b))
+
+
+# --- where -----------------------------------------------------------------------------------------
+def _infer_where(inputs, attrs):
+    c, a, b = inputs
+    if c.dtype != np.bool_:
+        raise ShapeError(f"condition must be bool, got {c.dtype} {fmt_shape(c.shape)}")
+    return broadcast_shapes(c.shape, a.shape, b.shape), _same_dtype([a, b])
+
+
+def _where_vjp(y, g):
+    c, a, b = y.inputs
+    zero = lift(0.0, g)
+    return [None, unbroadcast(where(c, g, zero), a.shape), unbroadcast(where(c, zero, g), b.shape)]
+
+
+register("where", _infer_where, vjp=_where_vjp, elementwise=True, inplace=True,
+         doc="cond ? a : b (broadcasting)", vjp_doc="-, where(c, g, 0), where(c, 0, g)")
+
+
+def where(cond, a, b) -> Tensor:
+    """Elementwise ``a if cond else b`` with broadcasting; `cond` is a bool tensor."""
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        a, b = _lift_pair(a, b)
+    else:
+        a = cond.graph.const(np.float32(a))
+        b = lift(b, a)
+    return apply("where", (cond, a, b))
+
+
+# --- unary math -------------------------------------------------------------------------------------
+_unary("neg", lambda y, g: [neg(g)], "-x", "-g")
+_unary("exp", lambda y, g: [g * y], "e^x", "g*y")
+_unary("log", lambda y, g: [g / y.inputs[0]], "natural log", "g/x")
+_unary("sqrt", lambda y, g: [g / (y * 2.0)], "square root", "g/(2y)")
+_unary("rsqrt", lambda y, g: [g * (y * y * y) * -0.5], "1/sqrt(x)", "-g*y^3/2")
+_unary("tanh", lambda y, g: [g * (1.0 - y * y)], "hyperbolic tangent", "g*(1-y^2)")
+_unary("sigmoid", lambda y, g: [g * (y * (1.0 - y))], "1/(1+e^-x)", "g*y*(1-y)")
+_unary("relu", lambda y, g: [where(greater(y.inputs[0], 0.0), g, lift(0.0, g))], "max(x, 0)",
+       "g where x > 0 else 0")
+_unary("square", lambda y, g: [g * (y.inputs[0] * 2.0)], "x*x", "2*g*x")
+_unary("erf", lambda y, g: [g * (exp(neg(square(y.inputs[0]))) * (2.0 / math.sqrt(math.pi)))],
+       "the error function", "g*2/sqrt(pi)*exp(-x^2)")
+
+
+def _silu_vjp(y, g):
+    x = y.inputs[0]
+    s = sigmoid(x)
+    return [g * (s * (x * (1.0 - s) + 1.0))]
+
+
+_unary("silu", _silu_vjp, "x*sigmoid(x)", "g*s*(1+x*(1-s)), s = sigmoid(x)",
+       decompose=lambda x: x * sigmoid(x))
+
+
+def neg(x) -> Tensor:
+    """-x"""
+    return apply("neg", (x,))
+
+
+def exp(x) -> Tensor:
+    """e**x"""
+    return apply("exp", (x,))
+
+
+def log(x) -> Tensor:
+    """Natural logarithm."""
+    return apply("log", (x,))
+
+
+def sqrt(x) -> Tensor:
+    """Square root."""
+    return apply("sqrt", (x,))
+
+
+def rsqrt(x) -> Tensor:
+    """1 / sqrt(x)."""
+    return apply("rsqrt", (x,))
+
+
+def tanh(x) -> Tensor:
+    """Hyperbolic tangent."""
+    return apply("tanh", (x,))
+
+
+def sigmoid(x) -> Tensor:
+    """The logistic function 1 / (1 + exp(-x))."""
+    return apply("sigmoid", (x,))
+
+
+def relu(x) -> Tensor:
+    """max(x, 0); the gradient at 0 is 0."""
+    return apply("relu", (x,))
+
+
+def square(x) -> Tensor:
+    """x * x"""
+    return apply("square", (x,))
+
+
+def erf(x) -> Tensor:
+    """The error function."""
+    return apply("erf", (x,))
+
+
+def silu(x) -> Tensor:
+    """SiLU (swish): x * sigmoid(x)."""
+    return apply("silu", (x,))
+
+
+# --- pow(x, scalar) --------------------------------------------------------------------------------
+def _infer_pow(inputs, attrs):
+    return _infer_same(inputs, attrs)
+
+
+register("pow", _infer_pow, elementwise=True, inplace=True,
+         vjp=lambda y, g: [g * (pow(y.inputs[0], y.attrs["exponent"] - 1.0) * y.attrs["exponent"])],
+         doc="x ** p for a Python scalar p", vjp_doc="g*p*x^(p-1)")
+
+
+def pow(x, exponent) -> Tensor:
+    """x ** exponent, with a Python scalar exponent."""
+    if isinstance(exponent, Tensor):
+        raise TypeError("pow: the exponent must be a Python scalar (use exp/log for tensors)")
+    exponent = float(exponent)
+    if exponent == 1.0:
+        return x
+    if exponent == 2.0:
+        return square(x)
+    return apply("pow", (x,), exponent=exponent)
+
+
+# --- cast ---------------------------------------------------------------------------------------------
+def _infer_cast(inputs, attrs):
+    return inputs[0].shape, np.dtype(attrs["dtype"])
+
+
+register("cast", _infer_cast, elementwise=True,
+         vjp=lambda y, g: [cast(g, y.inputs[0].dtype) if y.inputs[0].dtype.kind == "f" else None],
+         doc="convert to another dtype", vjp_doc="cast(g, x.dtype)")
+
+
+def cast(x, dtype) -> Tensor:
+    """Convert `x` to `dtype` (the only way to change precision)."""
+    dtype = np.dtype(dtype)
+    if x.dtype == dtype:
+        return x
+    return apply("cast", (x,), dtype=dtype.str)
+
+
+# --- gelu ---------------------------------------------------------------------------------------------
+_GELU_C = math.sqrt(2.0 / math.pi)
+_GELU_K = 0.044715
+
+
+def _infer_gelu(inputs, attrs):
+    if attrs["approximate"] not in ("tanh", "none"):
+        raise ShapeError(f"approximate must be 'tanh' or 'none', got {attrs['approximate']!r}")
+    return _infer_same(inputs[:1], attrs)
+
+
+def _gelu_decompose(x, approximate):
+    if approximate == "tanh":
+        return x * 0.5 * (tanh((x + pow(x, 3.0) * _GELU_K) * _GELU_C) + 1.0)
+    return x * 0.5 * (erf(x * (1.0 / math.sqrt(2.0))) + 1.0)
+
+
+def _gelu_backward_decompose(x, g, approximate):
+    if approximate == "tanh":
+        t = tanh((x + pow(x, 3.0) * _GELU_K) * _GELU_C)
+        d = (t + 1.0) * 0.5 + x * 0.5 * (1.0 - t * t) * ((square(x) * (3 * _GELU_K) + 1.0) * _GELU_C)
+    else:
+        d = (erf(x * (1.0 / math.sqrt(2.0))) + 1.0) * 0.5 + \
+            x * exp(square(x) * -0.5) * (1.0 / math.sqrt(2 * math.pi))
+    return g * d
+
+
+register("gelu", _infer_gelu, elementwise=True, inplace=True, decompose=_gelu_decompose,
+         vjp=lambda y, g: [apply("gelu_backward", (y.inputs[0], g), **y.attrs)],
+         doc="GELU; approximate='tanh' (GPT-2) or 'none' (erf)", vjp_doc="gelu_backward(x, g)")
+register("gelu_backward", _infer_gelu, elementwise=True, inplace=True,
+         decompose=_gelu_backward_decompose,
+         doc="g * gelu'(x)", vjp_doc="through its decomposition")
+
+
+def gelu(x, approximate: str = "tanh") -> Tensor:
+    """GELU. ``approximate="tanh"`` is GPT-2's tanh form; ``"none"`` is the exact erf form."""
+    return apply("gelu", (x,), approximate=approximate)
+
+
+# ================================================================================================
+# reductions
+# ================================================================================================
+
+def _infer_reduce(inputs, attrs):
+    (x,) = inputs
+    return _reduced_shape(x.shape, attrs["axes"], attrs["keepdims"]), x.dtype
+
+
+def _sum_vjp(y, g):
+    x = y.inputs[0]
+    g = reshape(g, _keepdims_shape(x.shape, y.attrs["axes"]))
+    return [broadcast_to(g, x.shape)]
+
+
+def _mean_vjp(y, g):
+    x = y.inputs[0]
+    n = _count(x.shape, y.attrs["axes"])
+    return [broadcast_to(reshape(g, _keepdims_shape(x.shape, y.attrs["axes"])) * (1.0 / n), x.shape)]
+
+
+def _max_vjp(y, g):
+    x = y.inputs[0]
+    ks = _keepdims_shape(x.shape, y.attrs["axes"])
+    hit = cast(equal(x, reshape(y, ks)), x.dtype)
+    count = sum(hit, axis=y.attrs["axes"], keepdims=True)
+    return [reshape(g, ks) / count * hit]
+
+
+def _count(shape, axes):
+    return int(np.prod([shape[a] for a in axes], dtype=np.int64))
+
+
+register("sum", _infer_reduce, vjp=_sum_vjp, doc="sum over axes", vjp_doc="broadcast g back")
+register("mean", _infer_reduce, vjp=_mean_vjp, doc="mean over axes", vjp_doc="broadcast g/n back")
+register("max", _infer_reduce, vjp=_max_vjp, doc="max over axes",
+         vjp_doc="g to the maxima (split evenly on ties)")
+
+
+def _reduce(op, x, axis, keepdims):
+    try:
+        axes = normalize_axes(axis, x.ndim)
+    except ShapeError as e:
+        raise ShapeError(f"{op} in {x.graph.current_scope or '<root>'}: {e} (shape {fmt_shape(x.shape)})") from None
+    if op != "sum" and x.ndim and any(x.shape[a] == 0 for a in axes):
+        raise ShapeError(f"{op} in {x.graph.current_scope or '<root>'}: reduction over an empty axis of {fmt_shape(x.shape)}")
+    return apply(op, (x,), axes=axes, keepdims=bool(keepdims))
+
+
+def sum(x, axis=None, keepdims=False) -> Tensor:
+    """Sum over `axis` (None = all, int or tuple)."""
+    return _reduce("sum", x, axis, keepdims)
+
+
+def mean(x, axis=None, keepdims=False) -> Tensor:
+    """Mean over `axis` (None = all, int or tuple)."""
+    return _reduce("mean", x, axis, keepdims)
+
+
+def max(x, axis=None, keepdims=False) -> Tensor:
+    """Max over `axis` (None = all, int or tuple); ties share the gradient evenly."""
+    return _reduce("max", x, axis, keepdims)
+
+
+# ================================================================================================
+# views and data movement
+# ================================================================================================
+
+def _infer_reshape(inputs, attrs):
+    (x,) = inputs
+    shape = attrs["shape"]
+    if int(np.prod(shape, dtype=np.int64)) != x.size:
+        raise ShapeError(f"cannot reshape {fmt_shape(x.shape)} into {fmt_shape(shape)}")
+    return shape, x.dtype
+
+
+register("reshape", _infer_reshape, view=True,
+         vjp=lambda y, g: [reshape(g, y.inputs[0].shape)],
+         doc="same data, new shape", vjp_doc="reshape(g, x.shape)")
+
+
+def reshape(x, shape) -> Tensor:
+    """Same data in a new shape; one dimension may be -1."""
+    shape = tuple(int(d) for d in ((shape,) if isinstance(shape, (int, np.integer)) else shape))
+    if shape.count(-1) > 1:
+        raise ShapeError(f"reshape in {x.graph.current_scope or '<root>'}: more than one -1 in {shape}")
+    if -1 in shape:
+        rest = int(np.prod([d for d in shape if d != -1], dtype=np.int64))
+        if rest == 0 or x.size % rest:
+            raise ShapeError(f"reshape in {x.graph.current_scope or '<root>'}: cannot reshape "
+                             f"{fmt_shape(x.shape)} into {list(shape)}")
+        shape = tuple(x.size // rest if d == -1 else d for d in shape)
+    if shape == x.shape:
+        return x
+    return apply("reshape", (x,), shape=shape)
+
+
+def _infer_transpose(inputs, attrs):
+    (x,) = inputs
+    axes = attrs["axes"]
+    if sorted(axes) != list(range(x.ndim)):
+        raise ShapeError(f"axes {list(axes)} are not a permutation of {x.ndim} axes of {fmt_shape(x.shape)}")
+    return tuple(x.shape[a] for a in axes), x.dtype
+
+
+register("transpose", _infer_transpose, view=True,
+         vjp=lambda y, g: [transpose(g, tuple(np.argsort(y.attrs["axes"])))],
+         doc="permute axes", vjp_doc="transpose(g, inverse permutation)")
+
+
+def transpose(x, axes=None) -> Tensor:
+    """Permute axes (reverse them when `axes` is None), as np.transpose."""
+    if axes is None:
+        axes = tuple(reversed(range(x.ndim)))
+    axes = tuple(int(a) % x.ndim if x.ndim else int(a) for a in axes)
+    if axes == tuple(range(x.ndim)):
+        return x
+    return apply("transpose", (x,), axes=axes)
+
+
+def swapaxes(x, a: int, b: int) -> Tensor:
+    axes = list(range(x.ndim))
+    axes[a], axes[b] = axes[b], axes[a]
+    return transpose(x, axes)
+
+
+def _infer_broadcast_to(inputs, attrs):
+    (x,) = inputs
+    shape = attrs["shape"]
+    if broadcast_shapes(x.shape, shape) != shape:
+        raise ShapeError(f"cannot broadcast {fmt_shape(x.shape)} to {fmt_shape(shape)}")
+    return shape, x.dtype
+
+
+register("broadcast_to", _infer_broadcast_to, view=True,
+         vjp=lambda y, g: [unbroadcast(g, y.inputs[0].shape)],
+         doc="repeat along new or size-1 axes", vjp_doc="sum g back to x.shape")
+
+
+def broadcast_to(x, shape) -> Tensor:
+    """Broadcast `x` to `shape` (NumPy rules)."""
+    shape = tuple(int(d) for d in shape)
+    if shape == x.shape:
+        return x
+    return apply("broadcast_to", (x,), shape=shape)
+
+
+# --- slicing ---------------------------------------------------------------------------------------
+def normalize_index(index, shape) -> tuple:
+    """Basic indexing -> one entry per axis: a `slice` with concrete bounds, or an int."""
+    if not isinstance(index, tuple):
+        index = (index,)
+    if _pysum(1 for i in index if i is Ellipsis) > 1:
+        raise ShapeError("an index can only have a single ellipsis")
+    n_real = _pysum(1 for i in index if i is not Ellipsis)
+    if n_real > len(shape):
+        raise ShapeError(f"too many indices ({n_real}) for {fmt_shape(shape)}")
+    expanded = []
+    for i in index:
+        if i is Ellipsis:
+            expanded.extend([_pyslice(None)] * (len(shape) - n_real))
+        else:
+            expanded.append(i)
+    expanded.extend([_pyslice(None)] * (len(shape) - len(expanded)))
+    out = []
+    for axis, (i, d) in enumerate(zip(expanded, shape)):
+        if isinstance(i, (int, np.integer)) and not isinstance(i, bool):
+            j = int(i)
+            if not -d <= j < d:
+                raise ShapeError(f"index {j} is out of bounds for axis {axis} of {fmt_shape(shape)}")
+            out.append(j % d)
+        elif isinstance(i, _pyslice):
+            out.append(_pyslice(*i.indices(d)))
+        else:
+            raise ShapeError(f"only basic indexing (ints, slices, ...) is supported, got {i!r}")
+    return tuple(out)
+
+
+def _infer_slice(inputs, attrs):
+    (x,) = inputs
+    shape = tuple(len(range(*s.indices(d))) for s, d in zip(attrs["index"], x.shape)
+                  if isinstance(s, _pyslice))
+    return shape, x.dtype
+
+
+def _infer_slice_backward(inputs, attrs):
+    return tuple(attrs["in_shape"]), inputs[0].dtype
+
+
+register("slice", _infer_slice, view=True,
+         vjp=lambda y, g: [apply("slice_backward", (g,), in_shape=y.inputs[0].shape,
+                                 index=y.attrs["index"])],
+         doc="basic indexing x[a:b, ..., i]", vjp_doc="slice_backward(g): g placed in zeros")
+register("slice_backward", _infer_slice_backward,
+         vjp=lambda y, g: [apply("slice", (g,), index=y.attrs["index"])],
+         doc="zeros of the sliced input's shape with g at the index", vjp_doc="slice(g)")
+
+
+def slice(x, index) -> Tensor:
+    """``x[index]`` for basic indexing: ints, slices (with steps) and one Ellipsis."""
+    try:
+        idx = normalize_index(index, x.shape)
+    except ShapeError as e:
+        raise ShapeError(f"slice in {x.graph.current_scope or '<root>'}: {e}") from None
+    if all(isinstance(s, _pyslice) and s == _pyslice(0, d, 1) for s, d in zip(idx, x.shape)):
+        return x
+    return apply("slice", (x,), index=idx)
+
+
+def _infer_concat(inputs, attrs):
+    axis = attrs["axis"]
+    first = inputs[0]
+    for t in inputs[1:]:
+        if t.ndim != first.ndim or any(a != b for i, (a, b) in enumerate(zip(t.shape, first.shape)) if i != axis):
+            raise ShapeError("cannot concatenate " + ", ".join(fmt_shape(t.shape) for t in inputs)
+                             + f" along axis {axis}")
+    dtype = _same_dtype(inputs)
+    shape = list(first.shape)
+    shape[axis] = _pysum(t.shape[axis] for t in inputs)
+    return tuple(shape), dtype
+
+
+def _concat_vjp(y, g):
+    axis, start, grads = y.attrs["axis"], 0, []
+    for t in y.inputs:
+        idx = [_pyslice(None)] * g.ndim
+        idx[axis] = _pyslice(start, start + t.shape[axis])
+        grads.append(slice(g, tuple(idx)))
+        start += t.shape[axis]
+    return grads
+
+
+register("concat", _infer_concat, vjp=_concat_vjp, doc="join along an axis",
+         vjp_doc="the matching slices of g")
+
+
+def concat(xs: Sequence[Tensor], axis: int = 0) -> Tensor:
+    """Join tensors along `axis` (as np.concatenate)."""
+    xs = list(xs)
+    if not xs:
+        raise ShapeError("concat: needs at least one tensor")
+    try:
+        (axis,) = normalize_axes(axis, xs[0].ndim)
+    except ShapeError as e:
+        raise ShapeError(f"concat in {xs[0].graph.current_scope or '<root>'}: {e}") from None
+    if len(xs) == 1:
+        return xs[0]
+    return apply("concat", tuple(xs), axis=axis)
+
+
+def split(x, n: int, axis: int = 0) -> list[Tensor]:
+    """Split into `n` equal parts along `axis` (as np.split with an int); each part is a view."""
+    (axis,) = normalize_axes(axis, x.ndim)
+    if n <= 0 or x.shape[axis] % n:
+        raise ShapeError(f"split in {x.graph.current_scope or '<root>'}: axis {axis} of "
+                         f"{fmt_shape(x.shape)} does not divide into {n} equal parts")
+    step = x.shape[axis] // n
+    parts = []
+    for k in range(n):
+        idx = [_pyslice(None)] * x.ndim
+        idx[axis] = _pyslice(k * step, (k + 1) * step)
+        parts.append(slice(x, tuple(idx)))
+    return parts
+
+
+# ================================================================================================
+# matmul
+# ================================================================================================
+
+def _infer_matmul(inputs, attrs):
+    a, b = inputs
+    if a.ndim < 2 or b.ndim < 2 or a.shape[-1] != b.shape[-2]:
+        raise ShapeError(f"cannot multiply {fmt_shape(a.shape)} by {fmt_shape(b.shape)}")
+    try:
+        batch = tuple(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
+    except ValueError:
+        raise ShapeError(f"cannot multiply {fmt_shape(a.shape)} by {fmt_shape(b.shape)} "
+                         "(batch dimensions do not broadcast)") from None
+    return batch + (a.shape[-2], b.shape[-1]), _same_dtype(inputs)
+
+
+def _matmul_vjp(y, g):
+    a, b = y.inputs
+    return [unbroadcast(matmul(g, swapaxes(b, -1, -2)), a.shape),
+            unbroadcast(matmul(swapaxes(a, -1, -2), g), b.shape)]
+
+
+register("matmul", _infer_matmul, vjp=_matmul_vjp, doc="batched matrix product (np.matmul)",
+         vjp_doc="g @ b^T, a^T @ g (summed over broadcast batch axes)")
+
+
+def matmul(a, b) -> Tensor:
+    """Matrix product with np.matmul's batching and broadcasting (1-D operands included)."""
+    a, b = _lift_pair(a, b)
+    if a.ndim == 0 or b.ndim == 0:
+        raise ShapeError(f"matmul in {a.graph.current_scope or '<root>'}: cannot multiply "
+                         f"{fmt_shape(a.shape)} by {fmt_shape(b.shape)} (scalars; use mul)")
+    if a.ndim == 1 or b.ndim == 1:
+        if a.shape[-1] != b.shape[-2 if b.ndim > 1 else 0]:
+            raise ShapeError(f"matmul in {a.graph.current_scope or '<root>'}: cannot multiply "
+                             f"{fmt_shape(a.shape)} by {fmt_shape(b.shape)}")
+        a2 = reshape(a, (1,) + a.shape) if a.ndim == 1 else a
+        b2 = reshape(b, b.shape + (1,)) if b.ndim == 1 else b
+        out = apply("matmul", (a2, b2))
+        shape = out.shape
+        if b.ndim == 1:
+            shape = shape[:-1]
+        if a.ndim == 1:
+            shape = shape[:-2] + shape[-1:] if b.ndim > 1 else shape[:-1]
+        return reshape(out, shape)
+    return apply("matmul", (a, b))
+
+
+# ================================================================================================
+# embedding (gather) and its scatter-add, one_hot
+# ================================================================================================
+
+def _infer_embedding(inputs, attrs):
+    table, ids = inputs
+    if table.ndim != 2:
+        raise ShapeError(f"table must be 2-d [rows, dim], got {fmt_shape(table.shape)}")
+    _require_int(ids)
+    return ids.shape + (table.shape[1],), table.dtype
+
+
+def _infer_embedding_backward(inputs, attrs):
+    ids, g = inputs
+    return (attrs["rows"], g.shape[-1]), g.dtype
+
+
+register("embedding", _infer_embedding,
+         vjp=lambda y, g: [apply("embedding_backward", (y.inputs[1], g), rows=y.inputs[0].shape[0]), None],
+         doc="table[ids]: gather rows", vjp_doc="embedding_backward(ids, g) (scatter-add); ids get none")
+register("embedding_backward", _infer_embedding_backward,
+         vjp=lambda y, g: [None, embedding(g, y.inputs[0])],
+         doc="scatter-add g's rows into zeros[rows, dim] at ids", vjp_doc="-, embedding(g, ids)")
+
+
+def embedding(table, ids) -> Tensor:
+    """Gather rows: ``table[ids]`` for an integer `ids` tensor of any shape."""
+    return apply("embedding", (table, ids))
+
+
+def _infer_one_hot(inputs, attrs):
+    (ids,) = inputs
+    _require_int(ids)
+    return ids.shape + (attrs["depth"],), np.dtype(attrs["dtype"])
+
+
+register("one_hot", _infer_one_hot, differentiable=False, doc="one-hot rows of ids",
+         vjp_doc="not differentiable")
+
+
+def one_hot(ids, depth: int, dtype="float32") -> Tensor:
+    """``eye(depth)[ids]``."""
+    return apply("one_hot", (ids,), depth=int(depth), dtype=np.dtype(dtype).str)
+
+
+# ================================================================================================
+# fused NN ops, each with its own backward op and a decomposition
+# ================================================================================================
+
+# --- softmax / log_softmax -------------------------------------------------------------------------
+def _infer_axis_op(inputs, attrs):
+    x = inputs[0]
+    _require_float(x)
+    for t in inputs[1:]:
+        if t.shape != x.shape:
+            raise ShapeError(f"shapes differ: {fmt_shape(x.shape)} and {fmt_shape(t.shape)}")
+    return x.shape, _same_dtype(inputs)
+
+
+def _softmax_decompose(x, axis):
+    e = exp(x - max(x, axis, keepdims=True))
+    return e / sum(e, axis, keepdims=True)
+
+
+def _log_softmax_decompose(x, axis):
+    s = x - max(x, axis, keepdims=True)
+    return s - log(sum(exp(s), axis, keepdims=True))
+
+
+register("softmax", _infer_axis_op, decompose=_softmax_decompose, inplace=True,
+         vjp=lambda y, g: [apply("softmax_backward", (y, g), axis=y.attrs["axis"])],
+         doc="exp(x)/sum(exp(x)) along an axis", vjp_doc="softmax_backward(y, g)")
+register("softmax_backward", _infer_axis_op, inplace=True,
+         decompose=lambda y, g, axis: y * (g - sum(g * y, axis, keepdims=True)),
+         doc="y*(g - sum(g*y))", vjp_doc="through its decomposition")
+register("log_softmax", _infer_axis_op, decompose=_log_softmax_decompose, inplace=True,
+         vjp=lambda y, g: [apply("log_softmax_backward", (y, g), axis=y.attrs["axis"])],
+         doc="x - logsumexp(x) along an axis", vjp_doc="log_softmax_backward(y, g)")
+register("log_softmax_backward", _infer_axis_op, inplace=True,
+         decompose=lambda y, g, axis: g - exp(y) * sum(g, axis, keepdims=True),
+         doc="g - exp(y)*sum(g)", vjp_doc="through its decomposition")
+
+
+def softmax(x, axis: int = -1) -> Tensor:
+    """Softmax along `axis`."""
+    return apply("softmax", (x,), axis=_axis_attr(x, axis, "softmax"))
+
+
+def log_softmax(x, axis: int = -1) -> Tensor:
+    """log(softmax(x)) along `axis`, computed stably."""
+    return apply("log_softmax", (x,), axis=_axis_attr(x, axis, "log_softmax"))
+
+
+def _axis_attr(x, axis, op):
+    try:
+        (a,) = normalize_axes(axis, x.ndim)
+    except ShapeError as e:
+        raise ShapeError(f"{op} in {x.graph.current_scope or '<root>'}: {e} (shape {fmt_shape(x.shape)})") from None
+    return a
+
+
+# --- layer_norm / rms_norm -------------------------------------------------------------------------
+def _norm_parts(inputs, attrs):
+    """Split a norm node's inputs into (x, weight|None, bias|None, rest)."""
+    x, k = inputs[0], 1
+    w = b = None
+    if attrs.get("has_weight"):
+        w, k = inputs[k], k + 1
+    if attrs.get("has_bias"):
+        b, k = inputs[k], k + 1
+    return x, w, b, inputs[k:]
+
+
+def _infer_norm(inputs, attrs):
+    x, w, b, rest = _norm_parts(inputs, attrs)
+    _require_float(x)
+    if x.ndim == 0:
+        raise ShapeError("needs at least 1-d input, got a scalar")
+    for what, t in (("weight", w), ("bias", b)):
+        if t is not None and t.shape != (x.shape[-1],):
+            raise ShapeError(f"{what} {fmt_shape(t.shape)} does not match the last axis of {fmt_shape(x.shape)}")
+    for t in rest:
+        if t.shape != x.shape:
+            raise ShapeError(f"cotangent {fmt_shape(t.shape)} does not match input {fmt_shape(x.shape)}")
+    return x.shape, _same_dtype([t for t in inputs if t is not None])
+
+
+def _lead_axes(x):
+    return tuple(range(x.ndim - 1))
+
+
+def _layer_norm_decompose(*inputs, eps, has_weight, has_bias):
+    x, w, b, _ = _norm_parts(inputs, dict(has_weight=has_weight, has_bias=has_bias))
+    xc = x - mean(x, -1, keepdims=True)
+    y = xc * rsqrt(mean(square(xc), -1, keepdims=True) + eps)
+    if w is not None:
+        y = y * w
+    if b is not None:
+        y = y + b
+    return y
+
+
+def _layer_norm_backward_decompose(*inputs, eps, has_weight, has_bias=False):
+    x, w, _, (g,) = _norm_parts(inputs, dict(has_weight=has_weight))
+    xc = x - mean(x, -1, keepdims=True)
+    r = rsqrt(mean(square(xc), -1, keepdims=True) + eps)
+    xhat = xc * r
+    gh = g * w if w is not None else g
+    return r * (gh - mean(gh, -1, keepdims=True) - xhat * mean(gh * xhat, -1, keepdims=True))
+
+
+def _layer_norm_vjp(y, g):
+    x, w, b, _ = _norm_parts(y.inputs, y.attrs)
+    eps = y.attrs["eps"]
+    dx = apply("layer_norm_backward", (x,) + ((w,) if w is not None else ()) + (g,),
+               eps=eps, has_weight=w is not None)
+    grads = [dx]
+    if w is not None:
+        xhat = layer_norm(x, eps=eps)
+        grads.append(sum(g * xhat, _lead_axes(x)))
+    if b is not None:
+        grads.append(sum(g, _lead_axes(x)))
+    return grads
+
+
+register("layer_norm", _infer_norm, decompose=_layer_norm_decompose, vjp=_layer_norm_vjp, inplace=True,
+         doc="(x-mean)/sqrt(var+eps)*w+b over the last axis",
+         vjp_doc="layer_norm_backward(x, w, g); sum(g*xhat); sum(g)")
+register("layer_norm_backward", _infer_norm, decompose=_layer_norm_backward_decompose, inplace=True,
+         doc="dx of layer_norm", vjp_doc="through its decomposition")
+
+
+def layer_norm(x, weight=None, bias=None, eps: float = 1e-5) -> Tensor:
+    """Layer normalization over the last axis, then ``* weight + bias`` when given."""
+    inputs = (x,) + tuple(t for t in (weight, bias) if t is not None)
+    return apply("layer_norm", inputs, eps=float(eps), has_weight=weight is not None,
+                 has_bias=bias is not None)
+
+
+def _rms_norm_decompose(*inputs, eps, has_weight, has_bias=False):
+    x, w, _, _ = _norm_parts(inputs, dict(has_weight=has_weight))
+    y = x * rsqrt(mean(square(x), -1, keepdims=True) + eps)
+    return y * w if w is not None else y
+
+
+def _rms_norm_backward_decompose(*inputs, eps, has_weight, has_bias=False):
+    x, w, _, (g,) = _norm_parts(inputs, dict(has_weight=has_weight))
+    r = rsqrt(mean(square(x), -1, keepdims=True) + eps)
+    gh = g * w if w is not None else g
+    return r * gh - x * (r * r * r) * mean(gh * x, -1, keepdims=True)
+
+
+def _rms_norm_vjp(y, g):
+    x, w, _, _ = _norm_parts(y.inputs, y.attrs)
+    eps = y.attrs["eps"]
+    dx = apply("rms_norm_backward", (x,) + ((w,) if w is not None else ()) + (g,),
+               eps=eps, has_weight=w is not None)
+    if w is None:
+        return [dx]
+    return [dx, sum(g * rms_norm(x, eps=eps), _lead_axes(x))]
+
+
+register("rms_norm", _infer_norm, decompose=_rms_norm_decompose, vjp=_rms_norm_vjp, inplace=True,
+         doc="x/sqrt(mean(x^2)+eps)*w over the last axis",
+         vjp_doc="rms_norm_backward(x, w, g); sum(g*x/rms)")
+register("rms_norm_backward", _infer_norm, decompose=_rms_norm_backward_decompose, inplace=True,
+         doc="dx of rms_norm", vjp_doc="through its decomposition")
+
+
+def rms_norm(x, weight=None, eps: float = 1e-6) -> Tensor:
+    """RMS normalization over the last axis: ``x / sqrt(mean(x*x) + eps) * weight``."""
+    inputs = (x,) + ((weight,) if weight is not None else ())
+    return apply("rms_norm", inputs, eps=float(eps), has_weight=weight is not None)
+
+
+# --- cross_entropy ---------------------------------------------------------------------------------
+def _infer_cross_entropy(inputs, attrs):
+    logits, targets = inputs[:2]
+    _require_float(logits, "logits")
+    _require_int(targets, "targets")
+    if logits.ndim != 2 or targets.shape != logits.shape[:1]:
+        raise ShapeError(f"expects logits [N,V] and targets [N], got {fmt_shape(logits.shape)} "
+                         f"and {fmt_shape(targets.shape)}")
+    if len(inputs) == 3:  # the backward op: (logits, targets, g) -> dlogits
+        return logits.shape, _same_dtype([logits, inputs[2]])
+    return (), logits.dtype
+
+
+def _cross_entropy_decompose(logits, targets):
+    picked = sum(log_softmax(logits, -1) * one_hot(targets, logits.shape[1], logits.dtype))
+    return picked * (-1.0 / logits.shape[0])
+
+
+def _cross_entropy_backward_decompose(logits, targets, g):
+    n, v = logits.shape
+    return (softmax(logits, -1) - one_hot(targets, v, logits.dtype)) * (g * (1.0 / n))
+
+
+register("cross_entropy", _infer_cross_entropy, decompose=_cross_entropy_decompose,
+         vjp=lambda y, g: [apply("cross_entropy_backward", (y.inputs[0], y.inputs[1], g)), None],
+         doc="mean over rows of -log softmax(logits)[target]",
+         vjp_doc="cross_entropy_backward(logits, targets, g) = (softmax - onehot)*g/N")
+register("cross_entropy_backward", _infer_cross_entropy, decompose=_cross_entropy_backward_decompose,
+         doc="(softmax(logits) - onehot(targets)) * g / N", vjp_doc="through its decomposition")
+
+
+def cross_entropy(logits, targets) -> Tensor:
+    """Mean cross-entropy of `logits` [N,V] against integer `targets` [N] (a scalar)."""
+    return apply("cross_entropy", (logits, targets))
+
+
+# --- causal_mask -----------------------------------------------------------------------------------
+def _infer_causal_mask(inputs, attrs):
+    (x,) = inputs
+    if x.ndim < 2:
+        raise ShapeError(f"needs at least 2-d scores, got {fmt_shape(x.shape)}")
+    return x.shape, x.dtype
+
+
+def _causal_mask_decompose(x, fill, offset):
+    t, s = x.shape[-2:]
+    keep = np.tril(np.ones((t, s), dtype=bool), k=offset)
+    return where(x.graph.const(keep), x, lift(fill, x))
+
+
+register("causal_mask", _infer_causal_mask, decompose=_causal_mask_decompose, inplace=True,
+         elementwise=False,
+         vjp=lambda y, g: [apply("causal_mask", (g,), fill=0.0, offset=y.attrs["offset"])],
+         doc="fill entries above the diagonal (j > i + offset) of the last two axes",
+         vjp_doc="causal_mask(g, fill=0)")
+
+
+def causal_mask(scores, fill: float = -math.inf, offset: int = 0) -> Tensor:
+    """Fill ``scores[..., i, j]`` with `fill` (-inf) where ``j > i + offset``."""
+    return apply("causal_mask", (scores,), fill=float(fill), offset=int(offset))
+
+
+# --- dropout ---------------------------------------------------------------------------------------
+def _infer_dropout(inputs, attrs):
+    x, key = inputs
+    _require_float(x)
+    _require_int(key, "dropout key")
+    if key.shape != ():
+        raise ShapeError(f"dropout key must be a scalar integer tensor, got {fmt_shape(key.shape)}")
+    if not 0.0 <= attrs["p"] < 1.0:
+        raise ShapeError(f"dropout probability must be in [0, 1), got {attrs['p']}")
+    return x.shape, x.dtype
+
+
+def _infer_dropout_mask(inputs, attrs):
+    (key,) = inputs
+    _require_int(key, "dropout key")
+    return tuple(attrs["shape"]), np.dtype(attrs["dtype"])
+
+
+register("dropout", _infer_dropout, inplace=True, elementwise=False,
+         decompose=lambda x, key, p, stream: x * apply("dropout_mask", (key,), p=p, stream=stream,
+                                                       shape=x.shape, dtype=x.dtype.str),
+         vjp=lambda y, g: [apply("dropout", (g, y.inputs[1]), **y.attrs), None],
+         doc="x * keep / (1-p); keep drawn from a counter-based RNG keyed by (key, stream)",
+         vjp_doc="dropout(g) with the same key and stream (the same mask)")
+register("dropout_mask", _infer_dropout_mask, differentiable=False,
+         doc="keep/(1-p) for each element, from (key, stream, element index)",
+         vjp_doc="not differentiable")
+
+
+def dropout(x, p: float, key, stream: int | None = None) -> Tensor:
+    """Inverted dropout with a mask from graphlm.random.counter_uniform(key, stream, index).
+
+    `key` is a scalar integer tensor (an input or state: feed a new one per step). Each dropout
+    node gets its own `stream` (by default the graph's count of dropout calls so far), so two
+    dropouts with one key draw different masks. p = 0 returns `x` unchanged.
+    """
+    p = float(p)
+    if not 0.0 <= p < 1.0:
+        raise ShapeError(f"dropout in {x.graph.current_scope or '<root>'}: probability must be in [0, 1), got {p}")
+    if p == 0.0:
+        return x
+    if stream is None:
+        stream = x.graph.next_counter("dropout")
+    return apply("dropout", (x, key), p=p, stream=int(stream))
