@@ -48,7 +48,18 @@ def needed_nodes(outputs: Sequence[Tensor]) -> list[Tensor]:
             continue
         seen.add(n.id)
         stack.extend(i for i in n.inputs if i.id not in seen)
-    return [graph.nodes[i] for i in sorted(seen)]
+    order = [graph.nodes[i] for i in sorted(seen)]
+    # Update ops (optimizer steps) write params/state in place, so they run after every other
+    # node: a backward node may still read a weight that its update would change.
+    updates = [n for n in order if REGISTRY[n.op].updates_state]
+    if updates:
+        update_ids = {n.id for n in updates}
+        for n in order:
+            if n.id not in update_ids and any(i.id in update_ids for i in n.inputs):
+                raise GraphError(f"{node_where(n)} reads the result of an update op; update ops "
+                                 "must be the last nodes of a program")
+        order = [n for n in order if n.id not in update_ids] + updates
+    return order
 
 
 def missing_kernels(nodes: Sequence[Tensor], kernels: Mapping) -> list[str]:
