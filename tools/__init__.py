@@ -1,0 +1,1 @@
+"""Programs behind the `graphlm` command: render, params, plan, stats, train, generate."""
