@@ -221,6 +221,65 @@ def dropout_mask(node, key):
     return dropout_keep_scale(int(key), node.attrs["stream"], node.shape, node.attrs["p"], node.dtype)
 
 
+# -- optimizer ops: global gradient norm and in-place updates (graphlm/ops.py, "optimizer ops") ----
+@kernel("global_norm")
+def global_norm(node, *grads):
+    total = np.zeros((), dtype=node.dtype)
+    for g in grads:
+        flat = g.reshape(-1)
+        total += np.dot(flat, flat) if flat.flags.c_contiguous and flat.strides[0] else np.sum(g * g)
+    return np.sqrt(total).astype(node.dtype)
+
+
+def _check_step(node, t):
+    if t < 1:
+        raise ExecutionError(f"{node_where(node)}: the step count must be >= 1, got {t}")
+
+
+@kernel("adamw_update")
+def adamw_update(node, lr, step, clip_coef, *arrays):
+    """AdamW as torch.optim.AdamW computes it, writing param, m and v in place."""
+    a = node.attrs
+    t = int(step)
+    _check_step(node, t)
+    b1, b2, lr = a["beta1"], a["beta2"], float(lr)
+    step_size = lr / (1.0 - b1 ** t)
+    bc2_sqrt = math.sqrt(1.0 - b2 ** t)
+    for k, wd in enumerate(a["weight_decay"]):
+        p, grad, m, v = arrays[4 * k: 4 * k + 4]
+        g = grad * clip_coef.astype(p.dtype)
+        if wd:
+            p *= _s(1.0 - lr * wd, p)
+        m *= _s(b1, p)
+        m += _s(1.0 - b1, p) * g
+        v *= _s(b2, p)
+        v += _s(1.0 - b2, p) * g * g
+        denom = np.sqrt(v)
+        denom /= _s(bc2_sqrt, p)
+        denom += _s(a["eps"], p)
+        p -= _s(step_size, p) * m / denom
+    return np.zeros((), np.float32)
+
+
+@kernel("sgd_update")
+def sgd_update(node, lr, clip_coef, *arrays):
+    """SGD as torch.optim.SGD computes it (coupled weight decay, momentum buffer from zeros)."""
+    a = node.attrs
+    size = 3 if a["momentum"] else 2
+    for k, wd in enumerate(a["weight_decay"]):
+        p, grad = arrays[size * k: size * k + 2]
+        d = grad * clip_coef.astype(p.dtype)
+        if wd:
+            d = d + _s(wd, p) * p
+        if a["momentum"]:
+            buf = arrays[size * k + 2]
+            buf *= _s(a["momentum"], p)
+            buf += d
+            d = buf
+        p -= lr.astype(p.dtype) * d
+    return np.zeros((), np.float32)
+
+
 # -- the executor ---------------------------------------------------------------------------------------
 class ReferenceProgram(Program):
     executor_name = "reference"

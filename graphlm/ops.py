@@ -87,7 +87,7 @@ def normalize_axes(axis, ndim: int) -> tuple[int, ...]:
     out = []
     for a in axes:
         a = int(a)
-        if not -ndim <= a < max(ndim, 1) or (ndim == 0):
+        if not -ndim <= a < _pymax(ndim, 1) or (ndim == 0):
             raise ShapeError(f"axis {a} is out of range for {ndim}-d input")
         out.append(a % ndim)
     if len(set(out)) != len(out):
@@ -1043,3 +1043,119 @@ def dropout(x, p: float, key, stream: int | None = None) -> Tensor:
     if stream is None:
         stream = x.graph.next_counter("dropout")
     return apply("dropout", (x, key), p=p, stream=int(stream))
+
+
+# ================================================================================================
+# optimizer ops (graphlm.optim builds them): the global gradient norm and in-place updates
+# ================================================================================================
+# An update op writes params and optimizer state in place (updates_state=True, attrs["writes"]
+# lists the input indices it writes); programs run update ops after every other node. Each
+# update op covers a whole group of parameters in one node (as torch's "foreach"/fused
+# optimizers do), so an executor may run it as a few passes over one flat buffer when the
+# params, moments and grads are laid out contiguously. Its output is a float32 scalar token
+# (0.0) that only says "the update ran": compile it as an output to run the update.
+
+def _infer_global_norm(inputs, attrs):
+    if not inputs:
+        raise ShapeError("needs at least one gradient")
+    for t in inputs:
+        _require_float(t, "gradient")
+    return (), _same_dtype(inputs)
+
+
+register("global_norm", _infer_global_norm, differentiable=False,
+         doc="sqrt(sum of squares of every element of every input): the global L2 norm",
+         vjp_doc="not differentiable (used for gradient clipping)")
+
+
+def global_norm(tensors: Sequence[Tensor]) -> Tensor:
+    """The L2 norm of all elements of all `tensors` together (a scalar)."""
+    return apply("global_norm", tuple(tensors))
+
+
+def _scalar_input(t: Tensor, what: str, kinds: str):
+    if t.shape != () or t.dtype.kind not in kinds:
+        raise ShapeError(f"{what} must be a scalar {'float' if kinds == 'f' else 'integer'} tensor, "
+                         f"got {t.dtype} {fmt_shape(t.shape)}")
+
+
+def _infer_update_groups(inputs, attrs, n_head: int, group: int, head_names):
+    if len(inputs) <= n_head or (len(inputs) - n_head) % group:
+        raise ShapeError(f"expects {n_head} scalars then groups of {group} tensors, got "
+                         f"{len(inputs)} inputs")
+    for t, (what, kinds) in zip(inputs[:n_head], head_names):
+        _scalar_input(t, what, kinds)
+    for k in range(n_head, len(inputs), group):
+        p = inputs[k]
+        if p.op not in ("param", "state"):
+            raise ShapeError(f"input {k} ({p.label}) must be a param or state leaf: update ops "
+                             "write their targets in place")
+        _require_float(p, f"param {p.label}")
+        for t in inputs[k + 1:k + group]:
+            if t.shape != p.shape or t.dtype != p.dtype:
+                raise ShapeError(f"{t.label} {fmt_shape(t.shape)} {t.dtype} does not match param "
+                                 f"{p.label} {fmt_shape(p.shape)} {p.dtype}")
+        for t in inputs[k + 2:k + group]:
+            if t.op != "state":
+                raise ShapeError(f"optimizer buffer {t.label} of {p.label} must be a state leaf")
+    wd = attrs.get("weight_decay", ())
+    if len(wd) != (len(inputs) - n_head) // group:
+        raise ShapeError(f"weight_decay has {len(wd)} entries for {(len(inputs) - n_head) // group} params")
+    return (), np.dtype(np.float32)
+
+
+def _infer_adamw_update(inputs, attrs):
+    return _infer_update_groups(inputs, attrs, 3, 4, (("lr", "f"), ("step", "iu"), ("clip_coef", "f")))
+
+
+def _infer_sgd_update(inputs, attrs):
+    group = 3 if attrs["momentum"] else 2
+    return _infer_update_groups(inputs, attrs, 2, group, (("lr", "f"), ("clip_coef", "f")))
+
+
+register("adamw_update", _infer_adamw_update, differentiable=False, updates_state=True,
+         doc="AdamW for groups (param, grad, m, v): g = grad*clip_coef; m,v moments; bias-corrected "
+             "step lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps); decoupled decay p *= 1-lr*wd; "
+             "writes param, m, v in place",
+         vjp_doc="not differentiable")
+register("sgd_update", _infer_sgd_update, differentiable=False, updates_state=True,
+         doc="SGD for groups (param, grad[, buf]): g = grad*clip_coef + wd*p; with momentum "
+             "buf = mu*buf + g, step along buf; writes param (and buf) in place",
+         vjp_doc="not differentiable")
+
+
+def adamw_update(lr, step, clip_coef, groups, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0) -> Tensor:
+    """One AdamW step for `groups` = [(param, grad, m, v), ...] as one in-place update node.
+
+    `lr` and `clip_coef` are float32 scalars, `step` the integer step number t >= 1 (all nodes,
+    usually inputs fed per step). `weight_decay` is a float or one float per group.
+    """
+    groups = [tuple(gr) for gr in groups]
+    wd = _per_group(weight_decay, len(groups))
+    flat = tuple(t for gr in groups for t in gr)
+    writes = tuple(3 + 4 * k + j for k in range(len(groups)) for j in (0, 2, 3))
+    return apply("adamw_update", (lr, step, clip_coef) + flat, beta1=float(betas[0]),
+                 beta2=float(betas[1]), eps=float(eps), weight_decay=wd, writes=writes)
+
+
+def sgd_update(lr, clip_coef, groups, momentum=0.0, weight_decay=0.0) -> Tensor:
+    """One SGD step for `groups` = [(param, grad), ...] or [(param, grad, momentum_buffer), ...]."""
+    groups = [tuple(gr) for gr in groups]
+    size = 3 if momentum else 2
+    if any(len(gr) != size for gr in groups):
+        raise ShapeError(f"sgd_update: each group must be {size} tensors "
+                         f"({'param, grad, buffer' if momentum else 'param, grad'})")
+    wd = _per_group(weight_decay, len(groups))
+    flat = tuple(t for gr in groups for t in gr)
+    writes = tuple(2 + size * k + j for k in range(len(groups)) for j in ((0, 2) if momentum else (0,)))
+    return apply("sgd_update", (lr, clip_coef) + flat, momentum=float(momentum), weight_decay=wd,
+                 writes=writes)
+
+
+def _per_group(value, n):
+    if isinstance(value, (int, float)):
+        return (float(value),) * n
+    value = tuple(float(v) for v in value)
+    if len(value) != n:
+        raise ShapeError(f"weight_decay has {len(value)} entries for {n} params")
+    return value
