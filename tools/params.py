@@ -1,0 +1,218 @@
+"""Parameter counts by module, and the analytic FLOPs of a GPT per token.
+
+    from tools.params import parameter_table, flops_per_token
+    table = parameter_table(graph)        # any graph: its params, grouped by module path
+    print(table.format(depth=2))          # a tree: name, shape, parameters, share, bytes
+    flops_per_token(config)               # {"forward": ..., "train_step": ...}
+
+A parameter is one `param` leaf of the graph, so a weight shared by two modules (a tied
+embedding and head) is counted once; the table marks it with the modules that read it.
+Building a graph allocates no parameter arrays, so GPT-2 small is counted without 124M floats.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+from graphlm.ir import Graph, fmt_shape
+
+from .stats import module_levels, node_kind, shared_params
+
+
+@dataclass
+class Row:
+    """One line of the table: a module (summed over everything below it) or a parameter."""
+
+    name: str                  # full dotted path
+    kind: str                  # "module" or "param"
+    level: int                 # indentation: 0 for top-level modules and root params
+    params: int
+    bytes: int
+    shape: tuple[int, ...] | None = None
+    dtype: str | None = None
+    shared_with: list[str] = field(default_factory=list)   # other modules reading this weight
+    tensors: int = 1
+
+    @property
+    def short(self) -> str:
+        """The name relative to the parent row (``weight`` under ``blocks.0.attention_norm``)."""
+        if self.kind == "module":
+            levels = module_levels(self.name)
+            parent = levels[-2] if len(levels) > 1 else ""
+        else:
+            parent = _module_of(self.name)
+        return self.name[len(parent) + 1:] if parent else self.name
+
+
+def _module_of(param_name: str) -> str:
+    return param_name.rsplit(".", 1)[0] if "." in param_name else ""
+
+
+@dataclass
+class ParamTable:
+    rows: list[Row]
+    total: int
+    total_bytes: int
+    tensors: int
+    shared: dict[str, list[str]]
+
+    def share(self, row: Row) -> float:
+        return row.params / self.total if self.total else 0.0
+
+    def module(self, name: str) -> Row:
+        for r in self.rows:
+            if r.name == name and r.kind == "module":
+                return r
+        raise KeyError(f"no module '{name}' in the parameter table")
+
+    def to_dict(self, depth: int | None = None) -> dict[str, Any]:
+        return {
+            "total_parameters": self.total,
+            "total_bytes": self.total_bytes,
+            "tensors": self.tensors,
+            "shared": self.shared,
+            "rows": [{"name": r.name, "kind": r.kind, "level": r.level,
+                      "shape": list(r.shape) if r.shape is not None else None,
+                      "dtype": r.dtype, "parameters": r.params, "share": self.share(r),
+                      "bytes": r.bytes, "shared_with": r.shared_with}
+                     for r in self.rows if depth is None or r.level <= depth],
+        }
+
+    def format(self, depth: int | None = None) -> str:
+        """The tree table. `depth`: show rows down to this level (deeper ones are summed in)."""
+        rows = [r for r in self.rows if depth is None or r.level <= depth]
+        names = ["  " * r.level + r.short + (" *" if r.shared_with else "") for r in rows]
+        shapes = [fmt_shape(r.shape) if r.shape is not None else "" for r in rows]
+        w_name = max([len("name")] + [len(n) for n in names])
+        w_shape = max([len("shape")] + [len(s) for s in shapes])
+        w_num = max(len(f"{self.total:,}"), len("parameters"))
+        head = f"{'name':<{w_name}}  {'shape':<{w_shape}}  {'parameters':>{w_num}}  {'share':>7}  {'bytes':>10}"
+        out = [head, "-" * len(head)]
+        for r, name, shape in zip(rows, names, shapes):
+            out.append(f"{name:<{w_name}}  {shape:<{w_shape}}  {r.params:>{w_num},}  "
+                       f"{100 * self.share(r):>6.2f}%  {fmt_bytes(r.bytes):>10}")
+        out.append("-" * len(head))
+        out.append(f"{'total':<{w_name}}  {'':<{w_shape}}  {self.total:>{w_num},}  {100.0:>6.2f}%  "
+                   f"{fmt_bytes(self.total_bytes):>10}")
+        out.append(f"{self.total:,} parameters in {self.tensors} tensors, "
+                   f"{fmt_bytes(self.total_bytes)}")
+        for name, modules in self.shared.items():
+            out.append(f"* {name} is shared by {', '.join(m or '<root>' for m in modules)} "
+                       "(tied; counted once)")
+        return "\n".join(out)
+
+
+def fmt_bytes(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def parameter_table(source) -> ParamTable:
+    """The parameter tree of a `Graph` (its `param` leaves), of a mapping name -> shape (or
+    name -> (shape, dtype)), or of a model (anything with a `config` that is called on a tokens
+    tensor: its forward graph is built, allocating no parameter arrays)."""
+    shared: dict[str, list[str]] = {}
+    if isinstance(source, Graph):
+        graph = source
+        specs = [(name, t.shape, np.dtype(t.dtype)) for name, t in graph.params.items()]
+        shared = shared_params(graph)
+    elif isinstance(source, Mapping):
+        specs = []
+        for name, spec in source.items():
+            if isinstance(spec, tuple) and len(spec) == 2 and not isinstance(spec[1], (int, np.integer)):
+                shape, dtype = spec
+            else:
+                shape, dtype = spec, np.float32
+            specs.append((str(name), tuple(int(d) for d in shape), np.dtype(dtype)))
+    elif hasattr(source, "config") and callable(source):
+        return parameter_table(model_graph(source))
+    else:
+        raise TypeError(f"parameter_table: expected a graphlm Graph, a mapping of shapes or a "
+                        f"model, got {type(source).__name__}")
+
+    rows: list[Row] = []
+    modules: dict[str, Row] = {}
+    total = total_bytes = 0
+    for name, shape, dtype in specs:
+        count = int(np.prod(shape, dtype=np.int64))
+        nbytes = count * dtype.itemsize
+        total += count
+        total_bytes += nbytes
+        levels = module_levels(_module_of(name))
+        for lv, path in enumerate(levels):
+            row = modules.get(path)
+            if row is None:
+                row = modules[path] = Row(path, "module", lv, 0, 0, tensors=0)
+                rows.append(row)
+            row.params += count
+            row.bytes += nbytes
+            row.tensors += 1
+        rows.append(Row(name, "param", len(levels), count, nbytes, tuple(shape), str(dtype),
+                        [m for m in shared.get(name, []) if not name.startswith(m + ".")]))
+    return ParamTable(rows, total, total_bytes, len(specs), shared)
+
+
+def model_graph(model, batch_size: int = 1, seq_len: int = 1) -> Graph:
+    """The forward graph of a GPT-style model on a tokens input (nodes only, no arrays)."""
+    graph = Graph(f"{type(model).__name__.lower()}_forward")
+    tokens = graph.input("tokens", (batch_size, seq_len), "int64")
+    model(tokens)
+    return graph
+
+
+# -- FLOPs --------------------------------------------------------------------------------------------
+def flops_per_token(config, seq_len: int | None = None) -> dict[str, Any]:
+    """Analytic FLOPs per token of a GPT forward pass and of a training step.
+
+    Counts the matrix products (a multiply-add is 2 FLOPs), which are all but a few percent of
+    the work; norms, activations, softmax and the optimizer's per-parameter update are left
+    out. Per layer and token: QKV 6C^2, attention scores and weighted values 4*T*C (the full
+    T x T product is computed, then masked), output projection 2C^2, MLP 16C^2 (SwiGLU: 12C^2);
+    the head 2CV. A training step is the forward plus a backward that computes two products
+    (input and weight gradients) for each forward one: 3x the forward.
+    """
+    C, V, L = config.channels, config.vocab_size, config.layer_count
+    T = config.context_length if seq_len is None else int(seq_len)
+    mlp = 12 * C * C if getattr(config, "mlp", "gelu") == "swiglu" else 16 * C * C
+    per_layer = {"qkv": 6 * C * C, "attention": 4 * T * C, "attention_output": 2 * C * C,
+                 "mlp": mlp}
+    layer = sum(per_layer.values())
+    forward = L * layer + 2 * C * V
+    return {"seq_len": T, "per_layer": per_layer, "layers": L * layer, "head": 2 * C * V,
+            "forward": forward, "backward": 2 * forward, "train_step": 3 * forward}
+
+
+def matmul_flops(graph: Graph, kinds=("forward", "backward")) -> dict[str, int]:
+    """The FLOPs of the graph's matmul nodes, counted from their shapes, by node kind."""
+    out = {k: 0 for k in kinds}
+    for n in graph.nodes:
+        if n.op != "matmul":
+            continue
+        kind = node_kind(n)
+        if kind not in out:
+            continue
+        a = n.inputs[0]
+        k = a.shape[-1] if a.ndim else 1
+        out[kind] += 2 * int(np.prod(n.shape, dtype=np.int64)) * int(k)
+    return out
+
+
+def format_flops(flops: dict[str, Any]) -> str:
+    def si(x: float) -> str:
+        for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+            if x >= size:
+                return f"{x / size:.2f} {unit}FLOP"
+        return f"{x:.0f} FLOP"
+
+    return (f"FLOPs per token at sequence length {flops['seq_len']}: forward {si(flops['forward'])} "
+            f"({flops['forward']:,}), training step {si(flops['train_step'])} "
+            f"({flops['train_step']:,}; forward + backward = 3x forward, matmuls only)")
+
+
+__all__ = ["parameter_table", "ParamTable", "Row", "model_graph", "flops_per_token",
+           "matmul_flops", "format_flops"]
