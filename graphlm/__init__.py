@@ -19,4 +19,7 @@ from .ops import (add, broadcast_to, cast, causal_mask, concat, cross_entropy, d
 
 _ir._ops = ops
 
+from . import init, nn  # noqa: E402  (modules: build on the ops above)
+from .models import GPT, GPTConfig  # noqa: E402
+
 __version__ = "0.1.0"
