@@ -280,6 +280,18 @@ def sgd_update(node, lr, clip_coef, *arrays):
     return np.zeros((), np.float32)
 
 
+@kernel("cache_write")
+def cache_write(node, cache, value, pos):
+    axis, p, n = node.attrs["axis"], int(pos), value.shape[node.attrs["axis"]]
+    if not 0 <= p <= cache.shape[axis] - n:
+        raise ExecutionError(f"{node_where(node)}: cannot write {n} position(s) at {p} into a cache "
+                             f"of {cache.shape[axis]} positions")
+    index = [slice(None)] * cache.ndim
+    index[axis] = slice(p, p + n)
+    cache[tuple(index)] = value
+    return np.zeros((), np.float32)
+
+
 # -- the executor ---------------------------------------------------------------------------------------
 class ReferenceProgram(Program):
     executor_name = "reference"

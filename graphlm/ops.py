@@ -1159,3 +1159,31 @@ def _per_group(value, n):
     if len(value) != n:
         raise ShapeError(f"weight_decay has {len(value)} entries for {n} params")
     return value
+
+
+# --- cache_write (the KV cache of graphlm.sample) ----------------------------------------------------
+def _infer_cache_write(inputs, attrs):
+    cache, value, pos = inputs
+    axis = attrs["axis"]
+    if cache.op != "state":
+        raise ShapeError(f"the cache {cache.label} must be a state leaf (it is written in place)")
+    _scalar_input(pos, "position", "iu")
+    if not 0 <= axis < cache.ndim or value.ndim != cache.ndim or value.dtype != cache.dtype or \
+            any(a != b for i, (a, b) in enumerate(zip(value.shape, cache.shape)) if i != axis) or \
+            value.shape[axis] > cache.shape[axis]:
+        raise ShapeError(f"cannot write {fmt_shape(value.shape)} {value.dtype} into cache "
+                         f"{fmt_shape(cache.shape)} {cache.dtype} along axis {axis}")
+    return (), np.dtype(np.float32)
+
+
+register("cache_write", _infer_cache_write, differentiable=False, updates_state=True,
+         doc="cache[..., pos:pos+L, ...] = value along `axis`, in place (KV caches); "
+             "a scalar token out",
+         vjp_doc="not differentiable")
+
+
+def cache_write(cache, value, pos, axis: int) -> Tensor:
+    """Write `value` into the state `cache` at position `pos` (a scalar integer tensor) along
+    `axis`, in place. Runs after every other node of the program (an update op)."""
+    axis = int(axis) % cache.ndim
+    return apply("cache_write", (cache, value, pos), axis=axis, writes=(0,))
