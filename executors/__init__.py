@@ -27,6 +27,12 @@ def _reference():
     return ReferenceExecutor()
 
 
+def _numpy():
+    from .numpy_executor import NumpyExecutor
+    return NumpyExecutor()
+
+
 register_executor("reference", _reference)
+register_executor("numpy", _numpy)
 
 __all__ = ["get", "compile", "Program", "available_executors", "register_executor"]

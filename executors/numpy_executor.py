@@ -1,0 +1,729 @@
+"""The numpy executor: all intermediate memory planned at compile time, nothing allocated per run.
+
+`compile(graph, outputs)` plans memory once (executors/planner.py: schedule, liveness, views,
+in-place reuse, one 64-byte aligned arena placed greedy-by-size), then binds every node to
+NumPy arrays over that arena and every kernel to a zero-argument closure over those arrays.
+`Program.run` copies the feeds into their private buffers, calls the closures in order and
+copies the outputs out (the caller owns what `run` returns; a later run never touches it).
+
+The kernel table
+----------------
+`KERNELS[op] = Kernel(build, inplace=..., scratch=...)`, registered with `@kernel(op, ...)`:
+
+- ``build(node, out, ins, scratch) -> callable()``: `out` is the node's planned array, `ins` the
+  arrays of its inputs (for update ops: the caller's state arrays, written in place), `scratch`
+  the temporaries asked for. The returned closure computes the node into `out`; it must not
+  allocate arrays proportional to the data (use ``out=``).
+- ``inplace``: input positions the kernel can overwrite with its output (the planner uses one
+  only when that input dies at this node and has the output's shape and dtype), or a function
+  ``node -> positions``.
+- ``scratch(node, inplace_pos) -> [(shape, dtype), ...]``: temporaries for one step; they live in
+  the arena.
+
+An op with a reference kernel but no entry here runs the reference kernel and copies its result
+into the planned buffer (correct, but it allocates); an op with neither fails at compile.
+Kernels compute exactly the reference's arithmetic, in the same order, so float results match
+the reference bit for bit except where noted.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+from scipy import special
+
+from graphlm.random import dropout_keep_scale
+from graphlm.registry import REGISTRY
+
+from . import reference
+from .base import ExecutionError, Program, check_index_range, node_where
+from .planner import ALIGN, Plan, apply_view, make_plan
+
+GELU_C = math.sqrt(2.0 / math.pi)
+GELU_K = 0.044715
+
+
+@dataclass(frozen=True)
+class Kernel:
+    build: Callable
+    inplace: Sequence[int] | Callable = ()
+    scratch: Callable | None = None
+
+
+KERNELS: dict[str, Kernel] = {}
+
+
+def kernel(*names, inplace=(), scratch=None):
+    """Register `build` as the kernel of each op in `names`."""
+    def deco(build):
+        for name in names:
+            KERNELS[name] = Kernel(build, inplace, scratch)
+        return build
+    return deco
+
+
+def _s(x, dtype):
+    """A scalar as a 0-d array of `dtype` (float32 stays float32, as in the reference)."""
+    return np.asarray(x, dtype=dtype)
+
+
+def _all_inputs(node):
+    return tuple(range(len(node.inputs)))
+
+
+def _flat(arr: np.ndarray, shape) -> np.ndarray | None:
+    """A reshaped view of `arr`, or None when that would need a copy."""
+    try:
+        return np.reshape(arr, shape, copy=False)
+    except ValueError:
+        return None
+
+
+# == elementwise ===================================================================================
+
+def _ufunc_kernel(fn):
+    return lambda node, out, ins, scratch: functools.partial(fn, *ins, out=out)
+
+
+for _name, _fn in {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide,
+                   "maximum": np.maximum, "neg": np.negative, "exp": np.exp, "log": np.log,
+                   "sqrt": np.sqrt, "tanh": np.tanh, "square": np.square,
+                   "sigmoid": special.expit, "erf": special.erf}.items():
+    kernel(_name, inplace=_all_inputs)(_ufunc_kernel(_fn))
+for _name, _fn in {"greater": np.greater, "less": np.less, "equal": np.equal}.items():
+    kernel(_name)(_ufunc_kernel(_fn))
+
+
+@kernel("rsqrt", inplace=(0,))
+def _rsqrt(node, out, ins, scratch):
+    (x,), one = ins, _s(1.0, node.dtype)
+
+    def run():
+        np.sqrt(x, out=out)
+        np.divide(one, out, out=out)
+    return run
+
+
+@kernel("relu", inplace=(0,))
+def _relu(node, out, ins, scratch):
+    return functools.partial(np.maximum, ins[0], _s(0.0, node.dtype), out=out)
+
+
+@kernel("silu")
+def _silu(node, out, ins, scratch):
+    (x,) = ins
+
+    def run():
+        special.expit(x, out=out)
+        np.multiply(x, out, out=out)
+    return run
+
+
+@kernel("pow", inplace=(0,))
+def _pow(node, out, ins, scratch):
+    return functools.partial(np.power, ins[0], _s(node.attrs["exponent"], node.dtype), out=out)
+
+
+@kernel("cast")
+def _cast(node, out, ins, scratch):
+    return functools.partial(np.copyto, out, ins[0], casting="unsafe")
+
+
+@kernel("where", inplace=(2,))
+def _where(node, out, ins, scratch):
+    c, a, b = ins
+
+    def run():
+        if b is not out:
+            np.copyto(out, b)
+        np.copyto(out, a, where=c)
+    return run
+
+
+@kernel("gelu")
+def _gelu(node, out, ins, scratch):
+    (x,) = ins
+    dt = node.dtype
+    half, one = _s(0.5, dt), _s(1.0, dt)
+    if node.attrs["approximate"] == "tanh":
+        c, k = _s(GELU_C, dt), _s(GELU_K, dt)
+
+        def run():  # 0.5*x*(1 + tanh(C*(x + K*x*x*x)))
+            np.multiply(k, x, out=out)
+            np.multiply(out, x, out=out)
+            np.multiply(out, x, out=out)
+            np.add(x, out, out=out)
+            np.multiply(c, out, out=out)
+            np.tanh(out, out=out)
+            np.add(one, out, out=out)
+            np.multiply(out, x, out=out)    # (0.5*x)*t == (x*t)*0.5 exactly
+            np.multiply(out, half, out=out)
+        return run
+    r2 = _s(1 / math.sqrt(2.0), dt)
+
+    def run_erf():  # 0.5*x*(1 + erf(x/sqrt(2)))
+        np.multiply(x, r2, out=out)
+        special.erf(out, out=out)
+        np.add(one, out, out=out)
+        np.multiply(out, x, out=out)
+        np.multiply(out, half, out=out)
+    return run_erf
+
+
+def _gelu_backward_scratch(node, pos):
+    n = 2 if node.attrs["approximate"] == "tanh" else 1
+    return [(node.shape, node.dtype)] * n
+
+
+@kernel("gelu_backward", scratch=_gelu_backward_scratch)
+def _gelu_backward(node, out, ins, scratch):
+    x, g = ins
+    dt = node.dtype
+    half, one = _s(0.5, dt), _s(1.0, dt)
+    if node.attrs["approximate"] == "tanh":
+        t, b = scratch
+        c, k, k3 = _s(GELU_C, dt), _s(GELU_K, dt), _s(3 * GELU_K, dt)
+
+        def run():
+            # t = tanh(C*(x + K*x*x*x))
+            np.multiply(k, x, out=t)
+            np.multiply(t, x, out=t)
+            np.multiply(t, x, out=t)
+            np.add(x, t, out=t)
+            np.multiply(c, t, out=t)
+            np.tanh(t, out=t)
+            # b = 0.5*x*(1 - t*t)
+            np.multiply(t, t, out=b)
+            np.subtract(one, b, out=b)
+            np.multiply(b, x, out=b)
+            np.multiply(b, half, out=b)
+            # t = 0.5*(1 + t)
+            np.add(one, t, out=t)
+            np.multiply(half, t, out=t)
+            # out = C*(1 + 3K*x*x), then b *= out, d = t + b, out = g*d
+            np.multiply(k3, x, out=out)
+            np.multiply(out, x, out=out)
+            np.add(one, out, out=out)
+            np.multiply(c, out, out=out)
+            np.multiply(b, out, out=b)
+            np.add(t, b, out=t)
+            np.multiply(g, t, out=out)
+        return run
+    (a,) = scratch
+    r2, c2, mhalf = _s(1 / math.sqrt(2.0), dt), _s(1 / math.sqrt(2 * math.pi), dt), _s(-0.5, dt)
+
+    def run_erf():
+        # d = 0.5*(1 + erf(x/sqrt2)) + x*exp(-0.5*x*x)/sqrt(2 pi)
+        np.multiply(x, r2, out=a)
+        special.erf(a, out=a)
+        np.add(one, a, out=a)
+        np.multiply(half, a, out=a)
+        np.multiply(mhalf, x, out=out)
+        np.multiply(out, x, out=out)
+        np.exp(out, out=out)
+        np.multiply(x, out, out=out)
+        np.multiply(out, c2, out=out)
+        np.add(a, out, out=a)
+        np.multiply(g, a, out=out)
+    return run_erf
+
+
+# == reductions =====================================================================================
+
+for _name, _fn in {"sum": np.sum, "mean": np.mean, "max": np.max}.items():
+    kernel(_name)((lambda fn: lambda node, out, ins, scratch: functools.partial(
+        fn, ins[0], axis=node.attrs["axes"], keepdims=node.attrs["keepdims"], out=out))(_fn))
+
+
+# == data movement (view ops reach here only when their input's strides need a copy) ================
+
+@kernel("reshape")
+def _reshape_copy(node, out, ins, scratch):
+    (x,) = ins
+    return functools.partial(np.copyto, np.reshape(out, x.shape, copy=False), x)
+
+
+@kernel("transpose", "broadcast_to", "slice")
+def _view_copy(node, out, ins, scratch):
+    return functools.partial(np.copyto, out, apply_view(node, ins[0]))
+
+
+@kernel("concat")
+def _concat(node, out, ins, scratch):
+    return functools.partial(np.concatenate, ins, axis=node.attrs["axis"], out=out)
+
+
+@kernel("slice_backward")
+def _slice_backward(node, out, ins, scratch):
+    (g,) = ins
+    window = out[node.attrs["index"]]
+
+    def run():
+        out.fill(0)
+        np.copyto(window, g)
+    return run
+
+
+@kernel("matmul")
+def _matmul(node, out, ins, scratch):
+    return functools.partial(np.matmul, ins[0], ins[1], out=out)
+
+
+# == gather / scatter ==================================================================================
+
+@kernel("embedding")
+def _embedding(node, out, ins, scratch):
+    table, ids = ins
+    rows = table.shape[0]
+
+    def run():
+        check_index_range(node, ids, rows, "token id")
+        np.take(table, ids, axis=0, out=out, mode="clip")  # 'raise' would buffer a copy
+    return run
+
+
+@kernel("embedding_backward")
+def _embedding_backward(node, out, ins, scratch):
+    ids, g = ins
+    rows, dim = node.shape
+    flat_ids = _flat(ids, (-1,))
+    flat_g = _flat(g, (-1, dim))
+
+    def run():
+        check_index_range(node, ids, rows, "token id")
+        out.fill(0)
+        if flat_g is None:
+            np.add.at(out, ids.reshape(-1), g.reshape(-1, dim))
+        else:
+            np.add.at(out, flat_ids, flat_g)
+    return run
+
+
+@kernel("one_hot")
+def _one_hot(node, out, ins, scratch):
+    (ids,) = ins
+    depth = node.attrs["depth"]
+    columns = np.arange(depth)
+    ids_col = ids[..., None]
+
+    def run():
+        check_index_range(node, ids, depth)
+        np.equal(ids_col, columns, out=out, casting="unsafe")
+    return run
+
+
+# == fused NN ops ========================================================================================
+
+def _keep_shape(node, axis):
+    return tuple(1 if i == axis else d for i, d in enumerate(node.shape))
+
+
+@kernel("softmax", inplace=(0,), scratch=lambda node, pos: [(_keep_shape(node, node.attrs["axis"]), node.dtype)])
+def _softmax(node, out, ins, scratch):
+    (x,), (m,), axis = ins, scratch, node.attrs["axis"]
+
+    def run():
+        np.max(x, axis=axis, keepdims=True, out=m)
+        np.subtract(x, m, out=out)
+        np.exp(out, out=out)
+        np.sum(out, axis=axis, keepdims=True, out=m)
+        np.divide(out, m, out=out)
+    return run
+
+
+@kernel("softmax_backward", scratch=lambda node, pos: [(_keep_shape(node, node.attrs["axis"]), node.dtype)])
+def _softmax_backward(node, out, ins, scratch):
+    (y, g), (s,), axis = ins, scratch, node.attrs["axis"]
+
+    def run():  # y*(g - sum(g*y))
+        np.multiply(g, y, out=out)
+        np.sum(out, axis=axis, keepdims=True, out=s)
+        np.subtract(g, s, out=out)
+        np.multiply(y, out, out=out)
+    return run
+
+
+@kernel("log_softmax", inplace=(0,),
+        scratch=lambda node, pos: [(node.shape, node.dtype), (_keep_shape(node, node.attrs["axis"]), node.dtype)])
+def _log_softmax(node, out, ins, scratch):
+    (x,), (e, m), axis = ins, scratch, node.attrs["axis"]
+
+    def run():  # s = x - max(x); s - log(sum(exp(s)))
+        np.max(x, axis=axis, keepdims=True, out=m)
+        np.subtract(x, m, out=out)
+        np.exp(out, out=e)
+        np.sum(e, axis=axis, keepdims=True, out=m)
+        np.log(m, out=m)
+        np.subtract(out, m, out=out)
+    return run
+
+
+@kernel("log_softmax_backward", inplace=(0,),
+        scratch=lambda node, pos: [(_keep_shape(node, node.attrs["axis"]), node.dtype)])
+def _log_softmax_backward(node, out, ins, scratch):
+    (y, g), (s,), axis = ins, scratch, node.attrs["axis"]
+
+    def run():  # g - exp(y)*sum(g)
+        np.sum(g, axis=axis, keepdims=True, out=s)
+        np.exp(y, out=out)
+        np.multiply(out, s, out=out)
+        np.subtract(g, out, out=out)
+    return run
+
+
+def _norm_split(node, arrays):
+    arrays = list(arrays)
+    x = arrays.pop(0)
+    w = arrays.pop(0) if node.attrs.get("has_weight") else None
+    b = arrays.pop(0) if node.attrs.get("has_bias") else None
+    return x, w, b, arrays
+
+
+def _rows(node):
+    return node.shape[:-1] + (1,)
+
+
+@kernel("layer_norm", inplace=(0,),
+        scratch=lambda node, pos: [(node.shape, node.dtype), (_rows(node), node.dtype), (_rows(node), node.dtype)])
+def _layer_norm(node, out, ins, scratch):
+    x, w, b, _ = _norm_split(node, ins)
+    sq, m, v = scratch
+    eps = _s(node.attrs["eps"], node.dtype)
+
+    def run():  # xc = x - mean(x); xc / sqrt(mean(xc*xc) + eps) * w + b
+        np.mean(x, axis=-1, keepdims=True, out=m)
+        np.subtract(x, m, out=out)
+        np.multiply(out, out, out=sq)
+        np.mean(sq, axis=-1, keepdims=True, out=v)
+        np.add(v, eps, out=v)
+        np.sqrt(v, out=v)
+        np.divide(out, v, out=out)
+        if w is not None:
+            np.multiply(out, w, out=out)
+        if b is not None:
+            np.add(out, b, out=out)
+    return run
+
+
+def _last_and_first(node):
+    return (len(node.inputs) - 1, 0)
+
+
+@kernel("layer_norm_backward", inplace=_last_and_first,
+        scratch=lambda node, pos: [(node.shape, node.dtype)] * 2 + [(_rows(node), node.dtype)] * 4)
+def _layer_norm_backward(node, out, ins, scratch):
+    x, w, _, (g,) = _norm_split(node, ins)
+    xhat, gh, m, r, m1, m2 = scratch
+    eps, one = _s(node.attrs["eps"], node.dtype), _s(1.0, node.dtype)
+
+    def run():  # r*(gh - mean(gh) - xhat*mean(gh*xhat))
+        np.mean(x, axis=-1, keepdims=True, out=m)
+        np.subtract(x, m, out=xhat)
+        np.multiply(xhat, xhat, out=gh)
+        np.mean(gh, axis=-1, keepdims=True, out=r)
+        np.add(r, eps, out=r)
+        np.sqrt(r, out=r)
+        np.divide(one, r, out=r)
+        np.multiply(xhat, r, out=xhat)
+        if w is not None:
+            np.multiply(g, w, out=gh)
+        else:
+            np.copyto(gh, g)
+        np.multiply(gh, xhat, out=out)
+        np.mean(out, axis=-1, keepdims=True, out=m2)
+        np.mean(gh, axis=-1, keepdims=True, out=m1)
+        np.multiply(xhat, m2, out=xhat)
+        np.subtract(gh, m1, out=out)
+        np.subtract(out, xhat, out=out)
+        np.multiply(r, out, out=out)
+    return run
+
+
+@kernel("rms_norm", inplace=(0,),
+        scratch=lambda node, pos: ([(node.shape, node.dtype)] if pos is not None else []) + [(_rows(node), node.dtype)])
+def _rms_norm(node, out, ins, scratch):
+    x, w, _, _ = _norm_split(node, ins)
+    sq, v = (scratch if len(scratch) == 2 else (out, scratch[0]))
+    eps = _s(node.attrs["eps"], node.dtype)
+
+    def run():  # x / sqrt(mean(x*x) + eps) * w
+        np.multiply(x, x, out=sq)
+        np.mean(sq, axis=-1, keepdims=True, out=v)
+        np.add(v, eps, out=v)
+        np.sqrt(v, out=v)
+        np.divide(x, v, out=out)
+        if w is not None:
+            np.multiply(out, w, out=out)
+    return run
+
+
+@kernel("rms_norm_backward", inplace=_last_and_first,
+        scratch=lambda node, pos: [(node.shape, node.dtype)] * 2 + [(_rows(node), node.dtype)] * 3)
+def _rms_norm_backward(node, out, ins, scratch):
+    x, w, _, (g,) = _norm_split(node, ins)
+    t, gh, r, r3, m = scratch
+    eps, one = _s(node.attrs["eps"], node.dtype), _s(1.0, node.dtype)
+
+    def run():  # r*gh - x*(r*r*r)*mean(gh*x)
+        np.multiply(x, x, out=t)
+        np.mean(t, axis=-1, keepdims=True, out=r)
+        np.add(r, eps, out=r)
+        np.sqrt(r, out=r)
+        np.divide(one, r, out=r)
+        if w is not None:
+            np.multiply(g, w, out=gh)
+        else:
+            np.copyto(gh, g)
+        np.multiply(gh, x, out=t)
+        np.mean(t, axis=-1, keepdims=True, out=m)
+        np.multiply(r, r, out=r3)
+        np.multiply(r3, r, out=r3)
+        np.multiply(x, r3, out=t)
+        np.multiply(t, m, out=t)
+        np.multiply(r, gh, out=out)
+        np.subtract(out, t, out=out)
+    return run
+
+
+def _picker(node, logits, targets, idx, picked):
+    """A closure filling `picked[i] = logits[i, targets[i]]` without allocating."""
+    n, v = logits.shape
+    flat = _flat(logits, (-1,))
+    if flat is None:
+        def pick_slow():
+            picked[...] = logits[np.arange(n), targets]
+        return pick_slow
+    row_start = np.arange(n, dtype=np.intp) * v
+
+    def pick():
+        np.add(row_start, targets, out=idx)
+        np.take(flat, idx, out=picked, mode="clip")
+    return pick
+
+
+def _ce_scratch(node, pos):
+    n, v = node.inputs[0].shape
+    dt = node.inputs[0].dtype
+    return [((n, v), dt), ((n, 1), dt), ((n,), dt), ((n,), np.intp), ((n,), dt)]
+
+
+@kernel("cross_entropy", scratch=_ce_scratch)
+def _cross_entropy(node, out, ins, scratch):
+    logits, targets = ins
+    e, m, lse, idx, picked = scratch
+    v = logits.shape[1]
+    m0 = m[:, 0]
+    pick = _picker(node, logits, targets, idx, picked)
+
+    def run():  # mean(log(sum(exp(logits - max))) + max - logits[target])
+        check_index_range(node, targets, v, "target")
+        np.max(logits, axis=1, keepdims=True, out=m)
+        np.subtract(logits, m, out=e)
+        np.exp(e, out=e)
+        np.sum(e, axis=1, out=lse)
+        np.log(lse, out=lse)
+        np.add(lse, m0, out=lse)
+        pick()
+        np.subtract(lse, picked, out=lse)
+        np.mean(lse, out=out)
+    return run
+
+
+def _ce_backward_scratch(node, pos):
+    n, v = node.shape
+    return [((n, 1), node.dtype), ((n,), np.intp), ((n,), node.dtype), ((), node.dtype)]
+
+
+@kernel("cross_entropy_backward", inplace=(0,), scratch=_ce_backward_scratch)
+def _cross_entropy_backward(node, out, ins, scratch):
+    logits, targets, g = ins
+    s, idx, picked, scale = scratch
+    n, v = node.shape
+    count, one = _s(n, node.dtype), _s(1.0, node.dtype)
+    pick = _picker(node, out, targets, idx, picked)
+    flat_out = _flat(out, (-1,))
+
+    def run():  # (softmax(logits) - onehot(targets)) * g / N
+        check_index_range(node, targets, v, "target")
+        np.max(logits, axis=-1, keepdims=True, out=s)
+        np.subtract(logits, s, out=out)
+        np.exp(out, out=out)
+        np.sum(out, axis=-1, keepdims=True, out=s)
+        np.divide(out, s, out=out)
+        pick()
+        np.subtract(picked, one, out=picked)
+        flat_out[idx] = picked
+        np.divide(g, count, out=scale)
+        np.multiply(out, scale, out=out)
+    return run
+
+
+@kernel("causal_mask", inplace=(0,))
+def _causal_mask(node, out, ins, scratch):
+    (x,) = ins
+    t, s = node.shape[-2:]
+    above = ~np.tri(t, s, k=node.attrs["offset"], dtype=bool)
+    fill = _s(node.attrs["fill"], node.dtype)
+
+    def run():
+        if x is not out:
+            np.copyto(out, x)
+        np.copyto(out, fill, where=above)
+    return run
+
+
+@kernel("dropout", inplace=(0,))
+def _dropout(node, out, ins, scratch):
+    # TODO(issue 7): draw the mask into arena scratch instead of allocating it per run.
+    x, key = ins
+    stream, p = node.attrs["stream"], node.attrs["p"]
+
+    def run():
+        np.multiply(x, dropout_keep_scale(int(key), stream, x.shape, p, x.dtype), out=out)
+    return run
+
+
+@kernel("dropout_mask")
+def _dropout_mask(node, out, ins, scratch):
+    (key,) = ins
+    stream, p = node.attrs["stream"], node.attrs["p"]
+    return lambda: np.copyto(out, dropout_keep_scale(int(key), stream, node.shape, p, node.dtype))
+
+
+def _reference_fallback(node, out, ins, scratch):
+    """Any op with only a reference kernel: run it and copy the result into the planned buffer."""
+    ref = reference.KERNELS[node.op]
+
+    def run():
+        res = np.asarray(ref(node, *ins))
+        if res.shape != out.shape:
+            raise ExecutionError(f"{node_where(node)}: kernel gave {res.shape}, expected {out.shape}")
+        np.copyto(out, res, casting="unsafe")
+    return run
+
+
+_FALLBACK = Kernel(_reference_fallback)
+
+
+def kernel_for(op: str) -> Kernel | None:
+    k = KERNELS.get(op)
+    if k is None and op in reference.KERNELS:
+        return _FALLBACK
+    return k
+
+
+def _inplace_positions(node) -> Sequence[int]:
+    """Input positions the node's kernel can overwrite (the kernel knows; the fallback none)."""
+    k = kernel_for(node.op)
+    if k is None:
+        return ()
+    return tuple(k.inplace(node) if callable(k.inplace) else k.inplace)
+
+
+def _scratch(node, pos):
+    k = kernel_for(node.op)
+    return list(k.scratch(node, pos)) if k is not None and k.scratch else []
+
+
+# == the program ===========================================================================================
+
+class NumpyProgram(Program):
+    """A graph compiled onto one planned arena; see the module docstring."""
+
+    executor_name = "numpy"
+
+    def __init__(self, graph, outputs, poison: bool = False):
+        super().__init__(graph, outputs, set(KERNELS) | set(reference.KERNELS))
+        self.plan: Plan = make_plan(self.nodes, self.outputs, _inplace_positions, _scratch)
+        raw = np.empty(self.plan.arena_bytes + ALIGN, dtype=np.uint8)
+        start = (-raw.__array_interface__["data"][0]) % ALIGN
+        self._arena = raw[start:start + self.plan.arena_bytes]
+        self._dedicated = {e.node_id: np.empty(self.graph.nodes[e.node_id].shape,
+                                               self.graph.nodes[e.node_id].dtype)
+                           for e in self.plan.entries.values() if e.kind == "output"}
+        self._feed_buffers = {name: np.empty(n.shape, n.dtype) for name, n in self.input_nodes.items()}
+        self._feed_pairs = [(buf, name) for name, buf in self._feed_buffers.items()]
+        self._bound: list[tuple[str, np.ndarray]] | None = None
+        self._steps: list[Callable[[], None]] = []
+        self._state_copies: list[tuple[np.ndarray, np.ndarray]] = []
+        self._results: list[np.ndarray] = []
+        if poison:
+            self.poison_arena()
+
+    def poison_arena(self) -> None:
+        """Fill the arena and output buffers with NaN bytes (0xFF): a debugging aid and a test that
+        no kernel reads memory it has not written this run."""
+        self._arena.fill(0xFF)
+        for buf in self._dedicated.values():
+            buf.reshape(-1).view(np.uint8).fill(0xFF)
+
+    # -- binding ---------------------------------------------------------------------------------------
+    def _arena_array(self, offset: int, shape, dtype) -> np.ndarray:
+        return np.ndarray(shape, dtype, buffer=self._arena, offset=offset)
+
+    def _bind(self, state) -> None:
+        plan, nodes = self.plan, self.graph.nodes
+        arrays: dict[int, np.ndarray] = {}
+        copies = []
+        for nid in plan.schedule:
+            n = nodes[nid]
+            e = plan.entries[nid]
+            if n.op == "input":
+                arrays[nid] = self._feed_buffers[n.name]
+            elif n.op in ("param", "state"):
+                arr = state[n.name]
+                if not arr.flags.c_contiguous:  # keep a private contiguous copy, refreshed per run
+                    private = np.ascontiguousarray(arr)
+                    copies.append((private, arr))
+                    arr = private
+                arrays[nid] = arr
+            elif n.op == "const":
+                arrays[nid] = n.attrs["value"]
+            elif e.kind == "view":
+                arrays[nid] = apply_view(n, arrays[n.inputs[0].id])
+            elif e.kind == "output":
+                arrays[nid] = self._dedicated[nid]
+            else:
+                off = plan.entries[e.base].offset if e.kind == "inplace" else e.offset
+                arrays[nid] = self._arena_array(off, n.shape, n.dtype)
+        steps = []
+        for nid in plan.schedule:
+            n = nodes[nid]
+            e = plan.entries[nid]
+            if e.kind in ("leaf", "const", "view"):
+                continue
+            scratch = [self._arena_array(s.offset, s.shape, s.dtype) for s in plan.scratch.get(nid, ())]
+            k = kernel_for(n.op)
+            steps.append(k.build(n, arrays[nid], [arrays[i.id] for i in n.inputs], scratch))
+        self._steps = steps
+        self._state_copies = copies
+        self._results = [arrays[o.id] for o in self.outputs]
+        self._bound = [(name, state[name]) for name in self.state_nodes]
+
+    # -- running -----------------------------------------------------------------------------------------
+    def run(self, feeds=None, state=None) -> list[np.ndarray]:
+        feeds = self.check_feeds(feeds)
+        state = self.check_state(state)
+        if self._bound is None or any(state[name] is not arr for name, arr in self._bound):
+            self._bind(state)
+        for buf, name in self._feed_pairs:
+            np.copyto(buf, feeds[name])
+        for private, arr in self._state_copies:
+            np.copyto(private, arr)
+        with np.errstate(all="ignore"):
+            for step in self._steps:
+                step()
+        return [r.copy() for r in self._results]
+
+
+class NumpyExecutor:
+    """``executors.get("numpy")``: compile(graph, outputs, poison=False) -> NumpyProgram."""
+
+    name = "numpy"
+    kernels = KERNELS
+
+    def compile(self, graph, outputs, poison: bool = False) -> NumpyProgram:
+        return NumpyProgram(graph, outputs, poison=poison)
