@@ -285,3 +285,20 @@ def test_tiny_overfit_with_loss_and_grads():
             p[k] = (p[k] * (1 - lr * wd) - lr * upd).astype(np.float32)
     assert losses[0] > 1.0 and losses[-1] < 0.05, losses[-5:]
     assert np.argmax(m.logits(p, tokens, executor=EX), -1).tolist() == targets.tolist()
+
+
+def test_default_executor_matches_reference():
+    from graphlm.backends import available_executors
+    if "numpy" not in available_executors():
+        pytest.skip("the numpy executor is not registered yet")
+    for kw in ({}, dict(norm="rmsnorm", mlp="swiglu", tie_weights=True, lm_head_bias=False)):
+        m = GPT(GPTConfig(**TINY, **kw))
+        p = m.init(6)
+        r = np.random.default_rng(1)
+        tokens, targets = r.integers(0, 5, (3, 4)), r.integers(0, 5, (3, 4))
+        np.testing.assert_allclose(m.logits(p, tokens), m.logits(p, tokens, executor=EX), rtol=1e-6, atol=1e-6)
+        loss, grads = m.loss_and_grads(p, tokens, targets)
+        loss_ref, grads_ref = m.loss_and_grads(p, tokens, targets, executor=EX)
+        assert abs(loss - loss_ref) <= 1e-6
+        for k in grads_ref:
+            np.testing.assert_allclose(grads[k], grads_ref[k], rtol=1e-5, atol=1e-6, err_msg=k)
