@@ -203,12 +203,12 @@ class Module:
         return ""
 
     def __repr__(self):
-        lines = [f"{type(self).__name__}({self.extra_repr()}"]
+        lines = [f"{type(self).__name__}({self.extra_repr()})"]
         for name, p in self._params.items():
             lines.append(f"  {name}: {p!r}")
         for name, c in self._children.items():
             lines.append("  " + f"{name}: {c!r}".replace("\n", "\n  "))
-        return lines[0] + ")" if len(lines) == 1 else "\n".join(lines) + "\n)"
+        return "\n".join(lines)
 
 
 def _graph_of(inputs, who: str) -> Graph:
@@ -476,11 +476,11 @@ class MultiheadAttention(Module):
         g = x.graph
         _check_last_dim(self, x, self.channels)
         w = self.bind(g, "qkv_weight")
-        qkv = ops.reshape(x, (1,) + x.shape) @ w.reshape((3,) + (1,) * (x.ndim - 2) + w.shape[1:])
+        rows = ops.reshape(x, (1, x.size // self.channels, self.channels))  # [1, B*T, C]
+        qkv = rows @ w                                                       # [3, B*T, C]
         if self.qkv_bias is not None:
-            b = self.bind(g, "qkv_bias")
-            qkv = qkv + b.reshape((3,) + (1,) * (x.ndim - 1) + (self.channels,))
-        return qkv[0], qkv[1], qkv[2]
+            qkv = qkv + ops.reshape(self.bind(g, "qkv_bias"), (3, 1, self.channels))
+        return tuple(ops.reshape(qkv[j], x.shape) for j in range(3))
 
     def project(self, x: Tensor, j: int) -> Tensor:
         """Projection j (0 = query, 1 = key, 2 = value) of `x`: ``x @ W[j] + b[j]``."""
