@@ -581,7 +581,10 @@ def normalize_index(index, shape) -> tuple:
                 raise ShapeError(f"index {j} is out of bounds for axis {axis} of {fmt_shape(shape)}")
             out.append(j % d)
         elif isinstance(i, _pyslice):
-            out.append(_pyslice(*i.indices(d)))
+            start, stop, step = i.indices(d)
+            # a negative step that runs past index 0 ends at stop = -1, which NumPy would read
+            # as "the last element"; None says "through index 0"
+            out.append(_pyslice(start, None if stop < 0 else stop, step))
         else:
             raise ShapeError(f"only basic indexing (ints, slices, ...) is supported, got {i!r}")
     return tuple(out)
