@@ -190,15 +190,13 @@ def _byte_span(arr: np.ndarray) -> tuple[int, int]:
     return lo, hi + arr.itemsize
 
 
-def make_plan(nodes: Sequence[Tensor], outputs: Sequence[Tensor], inplace_positions: InplaceFn,
-              scratch: ScratchFn) -> Plan:
-    """Plan memory for `nodes` run in the given order (leaves included) producing `outputs`."""
-    schedule = [n.id for n in nodes]
-    step = {n.id: k for k, n in enumerate(nodes)}
-    end = len(nodes) - 1
-    output_ids = {o.id for o in outputs}
+def layouts(nodes: Sequence[Tensor]):
+    """Decide which view nodes are views, by applying them to stand-in arrays of the right strides.
 
-    # -- which view nodes really are views (a reshape of strided data is not) -----------------------
+    Returns (protos, root_of, view_offset, is_view): a stand-in array per node, the non-view node
+    whose memory each node lives in, the byte offset of a view's data from its root's start, and
+    the set of view node ids. Leaves and computed nodes are assumed C-contiguous.
+    """
     protos: dict[int, np.ndarray] = {}
     root_of: dict[int, int] = {}
     view_offset: dict[int, int] = {}
@@ -219,6 +217,19 @@ def make_plan(nodes: Sequence[Tensor], outputs: Sequence[Tensor], inplace_positi
         protos[n.id] = _proto(n.shape, n.dtype)
         root_of[n.id] = n.id
         view_offset[n.id] = 0
+    return protos, root_of, view_offset, is_view
+
+
+def make_plan(nodes: Sequence[Tensor], outputs: Sequence[Tensor], inplace_positions: InplaceFn,
+              scratch: ScratchFn, fused: dict | None = None) -> Plan:
+    """Plan memory for `nodes` run in the given order (leaves included) producing `outputs`."""
+    schedule = [n.id for n in nodes]
+    step = {n.id: k for k, n in enumerate(nodes)}
+    end = len(nodes) - 1
+    output_ids = {o.id for o in outputs}
+
+    # -- which view nodes really are views (a reshape of strided data is not) -----------------------
+    protos, root_of, view_offset, is_view = layouts(nodes)
 
     # -- liveness: the last step that reads each node (a view's reads count for its input) ----------
     last = {n.id: step[n.id] for n in nodes}
@@ -290,7 +301,8 @@ def make_plan(nodes: Sequence[Tensor], outputs: Sequence[Tensor], inplace_positi
         b.offset = offsets[b.id]
     arena_bytes = max((b.offset + b.nbytes for b in arena_blocks), default=0)
     lower = _lower_bound(arena_blocks, len(nodes))
-    naive = sum(aligned(n.nbytes) for n in nodes if kinds[n.id] in ("arena", "inplace"))
+    naive = sum(aligned(n.nbytes) for n in nodes if kinds[n.id] in ("arena", "inplace")) + \
+        sum(aligned(inner.nbytes) for inner in (fused or {}))
     output_bytes = sum(b.nbytes for b in blocks if b.dedicated)
 
     entries: dict[int, Entry] = {}
@@ -311,15 +323,21 @@ def make_plan(nodes: Sequence[Tensor], outputs: Sequence[Tensor], inplace_positi
             b = block_of[n.id]
             entries[n.id] = Entry(n.id, kind, b.offset, n.nbytes,
                                   b.owner if kind == "inplace" else None, k, last[n.id])
+    for inner, outer in (fused or {}).items():
+        k = step[outer.id]
+        entries[inner.id] = Entry(inner.id, "fused", None, inner.nbytes, outer.id, k, k)
     scratch_out = {nid: [Scratch(b.offset, b.nbytes, shape, dtype) for b, shape, dtype in lst]
                    for nid, lst in scratch_blocks.items()}
-    return Plan(schedule, entries, blocks, scratch_out, storage, view_offset, inplace_input,
+    plan = Plan(schedule, entries, blocks, scratch_out, storage, view_offset, inplace_input,
                 arena_bytes, lower, naive, output_bytes, strategy)
+    plan.fused = {inner.id: outer.id for inner, outer in (fused or {}).items()}
+    return plan
 
 
 def _inplace_choice(n: Tensor, k: int, positions, kinds, last, storage) -> int | None:
     """The input position `n` may overwrite, or None."""
-    elementwise = REGISTRY[n.op].elementwise
+    op = REGISTRY.get(n.op)
+    elementwise = op is not None and op.elementwise
     for p in positions:
         src = n.inputs[p]
         if kinds.get(src.id) not in ("arena", "inplace"):
