@@ -43,8 +43,14 @@ def grad(loss: Tensor, wrt: Tensor | Sequence[Tensor]) -> list[Tensor]:
 
 
 def vjp(outputs: Sequence[Tensor], cotangents: Sequence[Tensor], wrt: Sequence[Tensor],
-        zeros_for_unreached: bool = True) -> list[Tensor | None]:
-    """Pull `cotangents` of `outputs` back to `wrt` (the general form of `grad`)."""
+        zeros_for_unreached: bool = True, partial: bool = False) -> list[Tensor | None]:
+    """Pull `cotangents` of `outputs` back to `wrt` (the general form of `grad`).
+
+    By default a `wrt` tensor that depends on another `wrt` tensor passes its cotangent on (total
+    derivatives, as torch.autograd.grad). ``partial=True`` treats the `wrt` tensors as independent
+    variables and stops at them: the partial derivatives that a fused op's VJP needs when it is
+    differentiated through its decomposition and one input depends on another.
+    """
     graph = outputs[0].graph
     wrt_ids = {w.id for w in wrt}
     top = max(o.id for o in outputs)
@@ -61,6 +67,8 @@ def vjp(outputs: Sequence[Tensor], cotangents: Sequence[Tensor], wrt: Sequence[T
         if node.id in needed:
             continue
         needed.add(node.id)
+        if partial and node.id in wrt_ids:
+            continue
         stack.extend(i for i in node.inputs if i.id in depends and i.id not in needed)
 
     pending: dict[int, list[Tensor]] = {}
@@ -73,6 +81,8 @@ def vjp(outputs: Sequence[Tensor], cotangents: Sequence[Tensor], wrt: Sequence[T
     for node_id in sorted(needed, reverse=True):
         node = graph.nodes[node_id]
         if not node.inputs or node_id not in pending:
+            continue
+        if partial and node_id in wrt_ids:
             continue
         if not any(i.id in needed for i in node.inputs):
             continue
@@ -122,5 +132,5 @@ def _vjp_through_decomposition(node: Tensor, ct: Tensor) -> list[Tensor | None]:
     out = REGISTRY[node.op].decompose(*node.inputs, **node.attrs)
     float_inputs = [i for i in node.inputs if i.dtype.kind == "f"]
     grads = dict(zip((i.id for i in float_inputs),
-                     vjp([out], [ct], float_inputs, zeros_for_unreached=False)))
+                     vjp([out], [ct], float_inputs, zeros_for_unreached=False, partial=True)))
     return [grads.get(i.id) for i in node.inputs]

@@ -36,6 +36,12 @@ def run(graph: gl.Graph, outputs, feeds=None, state=None, executor: str = "refer
     return executors.compile(graph, outputs, executor=executor).run(feeds or {}, state)
 
 
+def run_reading(graph: gl.Graph, outputs, feeds, state=None, executor: str = "reference") -> list[np.ndarray]:
+    """`run`, feeding only the inputs the compiled outputs read (programs refuse extra feeds)."""
+    program = executors.compile(graph, outputs, executor=executor)
+    return program.run({k: v for k, v in feeds.items() if k in program.input_nodes}, state)
+
+
 def build(f: Callable[..., gl.Tensor], arrays: Sequence[np.ndarray], name: str = "check"):
     """A graph whose inputs ``x0, x1, ...`` have the shapes/dtypes of `arrays`, and ``f(*inputs)``."""
     g = gl.Graph(name)
@@ -123,34 +129,58 @@ def check_grads(f: Callable[..., gl.Tensor], arrays: Sequence[np.ndarray], *, ep
     return GradCheckResult(y, grad_values, float_idx)
 
 
+@dataclass
+class SecondOrderResult:
+    hvp: list[np.ndarray]           # grad(sum_i <grad_i, v_i>, x_i) for each float input
+    weights: np.ndarray             # u: loss = sum(f(...) * u)
+    directions: list[np.ndarray]    # v_i, one per float input
+    float_inputs: list[int]
+
+
 def check_second_order(f: Callable[..., gl.Tensor], arrays: Sequence[np.ndarray], *, eps: float = EPS,
                        rtol: float = 1e-6, atol: float = 1e-7, seed: int = 1,
-                       executor: str = "reference") -> list[np.ndarray]:
+                       executor: str = "reference") -> SecondOrderResult:
     """Hessian-vector products by grad of a gradient, against central differences of the gradient.
 
-    loss = sum(f(...) * u); h = grad(sum_i <grad_i, v_i>, float inputs). Returns the h values.
+    loss = sum(f(...) * u); h = grad(sum_i <grad_i, v_i>, float inputs), which is H v for the
+    joint direction v = (v_1, v_2, ...). Returns h with u and v, so a caller can compare with
+    torch's double backward (`torch_hvp`).
     """
     arrays = [np.asarray(a) for a in arrays]
     float_idx = [i for i, a in enumerate(arrays) if is_float(a)]
     g, leaves, out = build(f, arrays)
     rng = np.random.default_rng(seed)
-    u = g.const(rng.standard_normal(out.shape))
+    u = rng.standard_normal(out.shape)
     wrt = [leaves[i] for i in float_idx]
-    grads = gl.grad(gl.sum(out * u), wrt)
+    grads = gl.grad(gl.sum(out * g.const(u)), wrt)
     directions = [rng.standard_normal(arrays[i].shape) for i in float_idx]
     inner = gl.sum(gl.concat([gl.reshape(gl.sum(gi * g.const(v)), (1,)) for gi, v in zip(grads, directions)]))
     hvp = gl.grad(inner, wrt)
     feeds = feeds_of(arrays)
-    hv = run(g, hvp, feeds, executor=executor)
-    first = executors.compile(g, grads, executor=executor)
+    hv = run_reading(g, hvp, feeds, executor=executor)
     plus, minus = dict(feeds), dict(feeds)
     for i, v in zip(float_idx, directions):
         plus[f"x{i}"] = arrays[i] + eps * v
         minus[f"x{i}"] = arrays[i] - eps * v
-    for k, (gp, gm) in enumerate(zip(first.run(plus), first.run(minus))):
+    grads_plus = run_reading(g, grads, plus, executor=executor)
+    grads_minus = run_reading(g, grads, minus, executor=executor)
+    for k, (gp, gm) in enumerate(zip(grads_plus, grads_minus)):
         assert_close(hv[k], (gp - gm) / (2 * eps), rtol, atol,
                      f"Hessian-vector product for x{float_idx[k]} vs central differences of the gradient")
-    return hv
+    return SecondOrderResult(hv, u, directions, float_idx)
+
+
+def torch_hvp(tf: Callable, arrays: Sequence[np.ndarray], result: SecondOrderResult) -> list[np.ndarray]:
+    """torch's double backward (create_graph=True) for the u and v of a `check_second_order` result."""
+    torch = torch_module()
+    targs = [to_torch(np.asarray(a), requires_grad=is_float(a)) for a in arrays]
+    wrt = [targs[i] for i in result.float_inputs]
+    loss = (tf(*targs) * to_torch(result.weights)).sum()
+    grads = torch.autograd.grad(loss, wrt, create_graph=True)
+    inner = sum((gi * to_torch(v)).sum() for gi, v in zip(grads, result.directions))
+    hv = torch.autograd.grad(inner, wrt, allow_unused=True)
+    return [np.zeros_like(np.asarray(arrays[i])) if h is None else h.detach().numpy()
+            for i, h in zip(result.float_inputs, hv)]
 
 
 # ------------------------------------------------------------------------------------------------
