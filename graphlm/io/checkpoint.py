@@ -1,5 +1,6 @@
 """Training checkpoints in safetensors: tensors (params, optimizer moments) plus JSON metadata
-(step, RNG and data-sampler position, model config, training options). No pickle.
+(step, RNG and data-sampler position, model config, training options, and an `extra` record
+such as the loss history). No pickle.
 
 Writes are atomic: the bytes go to a temporary file in the same folder, which is flushed and
 fsynced and then renamed over the old file, so a crash mid-write leaves the old checkpoint.
@@ -35,6 +36,7 @@ class Checkpoint:
     options: dict = field(default_factory=dict)
     rng: dict = field(default_factory=dict)
     sampler: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)
     path: str = ""
 
 
@@ -55,7 +57,8 @@ def _digest(meta: Mapping[str, str], tensors: Mapping[str, np.ndarray]) -> str:
 def save_checkpoint(path: str | os.PathLike, tensors: Mapping[str, np.ndarray], *, step: int,
                     config: Mapping[str, Any], options: Mapping[str, Any] | None = None,
                     rng: Mapping[str, Any] | None = None,
-                    sampler: Mapping[str, Any] | None = None) -> Path:
+                    sampler: Mapping[str, Any] | None = None,
+                    extra: Mapping[str, Any] | None = None) -> Path:
     """Write `tensors` and the metadata to `path` atomically; returns the path."""
     import safetensors.numpy
 
@@ -69,7 +72,8 @@ def save_checkpoint(path: str | os.PathLike, tensors: Mapping[str, np.ndarray], 
     try:
         meta = {"format": FORMAT, "version": str(VERSION), "step": str(int(step)),
                 "config": _canonical(dict(config)), "options": _canonical(dict(options or {})),
-                "rng": _canonical(dict(rng or {})), "sampler": _canonical(dict(sampler or {}))}
+                "rng": _canonical(dict(rng or {})), "sampler": _canonical(dict(sampler or {})),
+                "extra": _canonical(dict(extra or {}))}
     except (TypeError, ValueError) as e:
         raise ValueError(f"checkpoint {path}: metadata is not plain JSON ({e})") from None
     meta["checksum"] = _digest(meta, arrays)
@@ -139,14 +143,14 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
         raise ValueError(f"{where}: checksum mismatch: the tensor data or metadata is corrupted")
     try:
         step = int(meta["step"])
-        parsed = {k: json.loads(meta[k]) for k in ("config", "options", "rng", "sampler")}
+        parsed = {k: json.loads(meta[k]) for k in ("config", "options", "rng", "sampler", "extra")}
     except (KeyError, ValueError) as e:
         raise ValueError(f"{where}: bad metadata ({e})") from None
     for name, a in tensors.items():
         if a.dtype.kind == "f" and not np.isfinite(a).all():
             raise ValueError(f"{where}: tensor '{name}' holds NaN or inf values")
     return Checkpoint(dict(tensors), step, parsed["config"], parsed["options"], parsed["rng"],
-                      parsed["sampler"], str(path))
+                      parsed["sampler"], parsed["extra"], str(path))
 
 
 def load_checkpoint(path: str | os.PathLike, state: MutableMapping[str, np.ndarray] | None = None,

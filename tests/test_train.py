@@ -1,0 +1,168 @@
+"""The training step, bit-exact resume, and `graphlm train` / `graphlm generate` end to end at a
+tiny size (seconds)."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import executors  # registers the executors
+from graphlm.data import BUNDLED_CORPUS
+from graphlm.io.checkpoint import read_checkpoint
+from graphlm.train import Trainer, TrainOptions, dropout_key
+from tools.cli import main as cli_main
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_MODEL = {"context_length": 16, "channels": 16, "head_count": 2, "layer_count": 1, "dropout": 0.1}
+TINY_FLAGS = ["--context-length", "16", "--channels", "16", "--heads", "2", "--layers", "1",
+              "--batch-size", "4", "--warmup", "3", "--eval-batches", "2", "--lr", "0.01"]
+
+
+@pytest.fixture(scope="module")
+def small_text(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "small.txt"
+    path.write_bytes(BUNDLED_CORPUS.read_bytes()[:8000])
+    return str(path)
+
+
+def tiny_options(small_text, **kw):
+    base = dict(steps=6, batch_size=4, warmup=2, eval_batches=2, data=small_text, model=dict(TINY_MODEL))
+    base.update(kw)
+    return TrainOptions(**base)
+
+
+def test_numpy_training_steps_match_reference(small_text):
+    runs = {}
+    for ex in ("reference", "numpy"):
+        tr = Trainer(tiny_options(small_text, executor=ex))
+        losses = [tr.train_step().loss for _ in range(4)]
+        runs[ex] = (losses, tr.state, tr.evaluate())
+    (lr_, sr, vr), (ln, sn, vn) = runs["reference"], runs["numpy"]
+    np.testing.assert_allclose(ln, lr_, rtol=1e-5)
+    assert vn == pytest.approx(vr, rel=1e-5)
+    for k in sr:
+        if "qkv_bias" in k:
+            # the key bias has an exactly-zero true gradient (softmax ignores a per-row shift), so
+            # AdamW turns float rounding noise into steps of size ~lr: compare rows q and v only
+            sn_k, sr_k = sn[k][[0, 2]], sr[k][[0, 2]]
+        else:
+            sn_k, sr_k = sn[k], sr[k]
+        np.testing.assert_allclose(sn_k, sr_k, rtol=1e-4, atol=1e-6, err_msg=k)
+    assert ln[-1] < ln[0]
+
+
+def test_programs_share_one_state_and_dropout_is_keyed_by_seed_and_step(small_text):
+    tr = Trainer(tiny_options(small_text))
+    assert tr.uses_dropout
+    gen = tr.generator()
+    assert all(gen.state[k] is tr.state[k] for k in tr.params())
+    assert sorted(tr.state) == sorted(list(tr.params()) + tr.optimizer.state_names())
+    assert dropout_key(0, 5) == dropout_key(0, 5)
+    assert len({int(dropout_key(s, k)) for s in range(3) for k in range(50)}) == 150
+    # the same (seed, step) gives the same loss from the same state; dropout makes it differ
+    # from the eval-mode loss of the same batch
+    a = Trainer(tiny_options(small_text)).train_step().loss
+    b = Trainer(tiny_options(small_text)).train_step().loss
+    nodrop = Trainer(tiny_options(small_text, model={**TINY_MODEL, "dropout": 0.0})).train_step().loss
+    assert a == b and a != nodrop
+    # training changes what the eval and sampling programs see (they read the same arrays)
+    before = tr.evaluate()
+    for _ in range(5):
+        tr.train_step()
+    assert tr.evaluate() != before
+
+
+def train(args, capsys=None):
+    code = cli_main(["train", *args])
+    return code
+
+
+def test_resume_is_bit_exact(tmp_path, small_text):
+    common = TINY_FLAGS + ["--data", small_text, "--eval-every", "5", "--seed", "3"]
+    assert cli_main(["train", *common, "--steps", "20", "--out", str(tmp_path / "a")]) == 0
+    assert cli_main(["train", *common, "--steps", "10", "--decay-steps", "20",
+                     "--out", str(tmp_path / "b")]) == 0
+    assert read_checkpoint(tmp_path / "b" / "checkpoint.safetensors").step == 10
+    assert cli_main(["train", "--resume", "--steps", "20", "--out", str(tmp_path / "b")]) == 0
+    a = read_checkpoint(tmp_path / "a" / "checkpoint.safetensors")
+    b = read_checkpoint(tmp_path / "b" / "checkpoint.safetensors")
+    assert a.step == b.step == 20
+    assert sorted(a.tensors) == sorted(b.tensors)
+    assert any(k.startswith("optimizer.m.") for k in a.tensors)
+    for k in a.tensors:
+        assert a.tensors[k].tobytes() == b.tensors[k].tobytes(), k
+    assert [h["val_loss"] for h in a.extra["history"]] == [h["val_loss"] for h in b.extra["history"]]
+    # and the run really trained: a different seed gives different weights
+    c = tmp_path / "c"
+    assert cli_main(["train", *common[:-1], "4", "--steps", "20", "--out", str(c)]) == 0
+    w = "token_embedding.weight"
+    assert read_checkpoint(c / "checkpoint.safetensors").tensors[w].tobytes() != a.tensors[w].tobytes()
+
+
+def test_train_then_generate_end_to_end(tmp_path, small_text, capsys):
+    out = tmp_path / "run"
+    assert cli_main(["train", *TINY_FLAGS, "--data", small_text, "--steps", "8", "--eval-every", "4",
+                     "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "step 4/8  val loss" in captured.err and "step 8/8  val loss" in captured.err
+    assert "tokens/s" in captured.err
+    last = captured.out.strip().splitlines()[-1]
+    assert last.startswith("done: best val loss") and str(out / "checkpoint.safetensors") in last
+    assert len((out / "log.jsonl").read_text().splitlines()) == 2
+    ckpt = out / "checkpoint.safetensors"
+    args = ["generate", "--checkpoint", str(ckpt), "--prompt", "ROMEO:", "--max-new-tokens", "40",
+            "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--seed", "2"]
+    assert cli_main(args) == 0
+    first = capsys.readouterr().out
+    assert cli_main(args) == 0
+    assert capsys.readouterr().out == first           # same seed, same text
+    assert first.startswith("ROMEO:")
+    assert 1 <= len(first.encode()) - len("ROMEO:") - 1 <= 40 * 3
+    assert cli_main(["generate", "--checkpoint", str(ckpt), "--prompt", "A", "--max-new-tokens", "30",
+                     "--temperature", "0"]) == 0     # 30 new tokens > context 16: the window slides
+    assert capsys.readouterr().out.startswith("A")
+
+
+def test_cli_errors_are_clean(tmp_path, small_text, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    assert cli_main(["train", *TINY_FLAGS, "--data", str(empty), "--out", str(tmp_path / "x")]) != 0
+    assert "empty.txt is empty" in capsys.readouterr().err
+    assert cli_main(["train", "--resume", "--out", str(tmp_path / "nothing")]) != 0
+    assert "no checkpoint" in capsys.readouterr().err
+    run = tmp_path / "r"
+    assert cli_main(["train", *TINY_FLAGS, "--data", small_text, "--steps", "2", "--out", str(run)]) == 0
+    capsys.readouterr()
+    assert cli_main(["train", *TINY_FLAGS, "--data", small_text, "--steps", "2", "--out", str(run)]) != 0
+    assert "already exists; pass --resume" in capsys.readouterr().err
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes((run / "checkpoint.safetensors").read_bytes()[:1000])
+    assert cli_main(["generate", "--checkpoint", str(bad)]) != 0
+    assert "bad.safetensors" in capsys.readouterr().err
+
+
+def test_ctrl_c_saves_and_exits_cleanly(tmp_path, small_text):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "tools.cli", "train", *TINY_FLAGS, "--data", small_text,
+           "--steps", "100000", "--eval-every", "100000", "--log-every", "1", "--out", str(out)]
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        for line in proc.stderr:              # wait until training is under way
+            if line.startswith("step 3/"):
+                break
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130
+    assert "Traceback" not in err and "interrupted at step" in err
+    ck = read_checkpoint(out / "checkpoint.safetensors")
+    assert 3 <= ck.step < 100000
+    assert cli_main(["train", "--resume", "--steps", str(ck.step + 2), "--out", str(out)]) == 0
+    assert read_checkpoint(out / "checkpoint.safetensors").step == ck.step + 2

@@ -1,0 +1,220 @@
+"""`graphlm train`: train a GPT (TinyLM on the bundled tiny Shakespeare by default).
+
+    graphlm train                                   # TinyLM, defaults below, into runs/tinylm
+    graphlm train --steps 2000 --batch-size 32 --lr 2e-3 --out runs/big
+    graphlm train --out runs/tinylm --resume        # continue, bit for bit
+
+A progress bar (loss, tokens/s, learning rate) when stderr is a terminal, plain log lines
+otherwise; the validation loss every --eval-every steps and at the end, each time with a
+checkpoint in --out; a final line with the best validation loss, the time and the checkpoint.
+Ctrl-C finishes the current step, saves a checkpoint and exits (status 130); a second Ctrl-C
+stops at once. On --resume, options not given on the command line come from the checkpoint.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import math
+import signal
+import sys
+import time
+from pathlib import Path
+
+from graphlm.train import CHECKPOINT_NAME, Trainer, TrainOptions, resume_options
+
+# command-line flag -> TrainOptions field (model fields go to TrainOptions.model)
+_OPTION_FLAGS = {"preset": "preset", "steps": "steps", "batch_size": "batch_size", "lr": "lr",
+                 "warmup": "warmup", "decay_steps": "decay_steps", "min_lr_ratio": "min_lr_ratio",
+                 "weight_decay": "weight_decay", "clip_norm": "clip_norm", "seed": "seed",
+                 "eval_every": "eval_every", "eval_batches": "eval_batches", "data": "data",
+                 "executor": "executor"}
+_MODEL_FLAGS = {"context_length": "context_length", "channels": "channels", "heads": "head_count",
+                "layers": "layer_count", "dropout": "dropout"}
+DEFAULTS = TrainOptions()
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = DEFAULTS
+    p.add_argument("--preset", help=f"model preset (default: {d.preset})")
+    p.add_argument("--steps", type=int, help=f"total optimizer steps (default: {d.steps})")
+    p.add_argument("--batch-size", type=int, help=f"sequences per step (default: {d.batch_size})")
+    p.add_argument("--lr", type=float, help=f"peak learning rate (default: {d.lr})")
+    p.add_argument("--warmup", type=int, help=f"linear warmup steps (default: {d.warmup})")
+    p.add_argument("--decay-steps", type=int,
+                   help="cosine decay horizon in steps (default: --steps)")
+    p.add_argument("--min-lr-ratio", type=float,
+                   help=f"final lr as a fraction of the peak (default: {d.min_lr_ratio})")
+    p.add_argument("--weight-decay", type=float, help=f"AdamW decoupled decay (default: {d.weight_decay})")
+    p.add_argument("--clip-norm", type=float, help=f"global gradient-norm clip (default: {d.clip_norm})")
+    p.add_argument("--seed", type=int, help=f"seed of init, batches and dropout (default: {d.seed})")
+    p.add_argument("--out", default="runs/tinylm", help="run folder for checkpoints and the log "
+                   "(default: runs/tinylm)")
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    p.add_argument("--eval-every", type=int, help=f"validate and checkpoint every K steps "
+                   f"(default: {d.eval_every})")
+    p.add_argument("--eval-batches", type=int,
+                   help=f"validation batches per evaluation (default: {d.eval_batches})")
+    p.add_argument("--data", help="train on this text file (default: bundled tiny Shakespeare)")
+    p.add_argument("--executor", help=f"executor (default: {d.executor})")
+    g = p.add_argument_group("model overrides of the preset")
+    g.add_argument("--context-length", type=int)
+    g.add_argument("--channels", type=int)
+    g.add_argument("--heads", type=int)
+    g.add_argument("--layers", type=int)
+    g.add_argument("--dropout", type=float)
+    p.add_argument("--threads", type=int, default=0,
+                   help="BLAS threads (default 0: leave as is; 1 is fastest on a busy machine)")
+    p.add_argument("--log-every", type=int, default=0,
+                   help="plain log line every N steps (default: about 50 lines per run)")
+    p.add_argument("--progress", choices=("auto", "bar", "log"), default="auto",
+                   help="tqdm bar, plain log lines, or bar only on a terminal (default: auto)")
+
+
+def set_blas_threads(n: int) -> bool:
+    """Set OpenBLAS's thread count at run time (NumPy's bundled OpenBLAS); False if not found."""
+    if n <= 0:
+        return False
+    try:
+        with open("/proc/self/maps") as f:
+            libs = sorted({line.split()[-1] for line in f if "openblas" in line.lower() and "/" in line})
+    except OSError:
+        return False
+    for path in libs:
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for name in ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_",
+                     "openblas_set_num_threads"):
+            fn = getattr(lib, name, None)
+            if fn is not None:
+                fn(ctypes.c_int(n))
+                return True
+    return False
+
+
+def _explicit(args) -> dict:
+    """The options given on the command line (argparse defaults are None)."""
+    out = {field: getattr(args, flag) for flag, field in _OPTION_FLAGS.items()
+           if getattr(args, flag) is not None}
+    model = {field: getattr(args, flag) for flag, field in _MODEL_FLAGS.items()
+             if getattr(args, flag) is not None}
+    if model:
+        out["model"] = model
+    return out
+
+
+def run(args) -> int:
+    set_blas_threads(args.threads)
+    out_dir = Path(args.out)
+    ckpt_path = out_dir / CHECKPOINT_NAME
+    explicit = _explicit(args)
+    log = sys.stderr
+
+    if args.resume:
+        if not ckpt_path.exists():
+            raise ValueError(f"--resume: no checkpoint at {ckpt_path}")
+        if "model" in explicit:
+            raise ValueError("--resume: the model comes from the checkpoint; drop the model options "
+                             f"({', '.join('--' + k.replace('_', '-') for k in explicit['model'])})")
+        options, changed = resume_options(ckpt_path, explicit)
+        if changed:
+            print(f"warning: resuming with changed {', '.join(changed)}: the run will not match "
+                  "an uninterrupted one", file=log)
+    else:
+        if ckpt_path.exists():
+            raise ValueError(f"{ckpt_path} already exists; pass --resume to continue that run or "
+                             "choose another --out")
+        options = TrainOptions(**explicit)
+
+    trainer = Trainer(options)
+    if args.resume:
+        trainer.load(ckpt_path)
+    o, cfg = trainer.options, trainer.config
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokens_per_step = o.batch_size * cfg.context_length
+    print(f"graphlm train: {o.preset} ({trainer.model.parameter_count():,} params, T={cfg.context_length}, "
+          f"C={cfg.channels}, H={cfg.head_count}, N={cfg.layer_count}, dropout={cfg.dropout}) on "
+          f"{trainer.corpus.source} ({trainer.corpus.train.size:,} train / {trainer.corpus.val.size:,} "
+          f"val bytes); {o.steps} steps x {o.batch_size} x {cfg.context_length} tokens, lr {o.lr} "
+          f"(warmup {o.warmup}, cosine to {o.horizon}), executor {o.executor}"
+          + (f", resuming at step {trainer.step}" if args.resume else ""), file=log, flush=True)
+
+    use_bar = args.progress == "bar" or (args.progress == "auto" and sys.stderr.isatty())
+    log_every = args.log_every or max(1, o.steps // 50)
+    interrupted = {"flag": False}
+
+    def on_sigint(signum, frame):
+        interrupted["flag"] = True
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C stops at once
+
+    old_handler = signal.signal(signal.SIGINT, on_sigint)
+    bar = None
+    if use_bar:
+        from tqdm import tqdm
+        bar = tqdm(total=o.steps, initial=trainer.step, file=sys.stderr, unit="step", dynamic_ncols=True)
+    start = time.perf_counter()
+    train_losses: list[float] = []
+    rate = None
+    log_file = open(out_dir / "log.jsonl", "a")
+
+    def evaluate_and_save():
+        val = trainer.evaluate()
+        trainer.record_eval(val)
+        entry = {"step": trainer.step, "val_loss": round(val, 5),
+                 "train_loss": round(sum(train_losses) / len(train_losses), 5) if train_losses else None,
+                 "elapsed_s": round(time.perf_counter() - start, 1)}
+        trainer.history[-1].update(entry)
+        train_losses.clear()
+        trainer.save(ckpt_path)
+        log_file.write(json.dumps(entry) + "\n")
+        log_file.flush()
+        msg = (f"step {trainer.step}/{o.steps}  val loss {val:.4f}  (best {trainer.best_val_loss:.4f})  "
+               f"checkpoint {ckpt_path}")
+        (bar.write(msg) if bar else print(msg, file=log, flush=True))
+
+    try:
+        while trainer.step < o.steps and not interrupted["flag"]:
+            r = trainer.train_step()
+            if not math.isfinite(r.loss):
+                raise ValueError(f"training diverged at step {r.step}: loss {r.loss}; lower --lr")
+            train_losses.append(r.loss)
+            tps = tokens_per_step / max(r.seconds, 1e-9)
+            rate = tps if rate is None else 0.9 * rate + 0.1 * tps
+            if bar:
+                bar.set_postfix(loss=f"{r.loss:.4f}", tok_s=f"{rate:,.0f}", lr=f"{r.lr:.2e}", refresh=False)
+                bar.update(1)
+            elif r.step % log_every == 0 or r.step == 1:
+                print(f"step {r.step}/{o.steps}  loss {r.loss:.4f}  grad norm {r.grad_norm:.3f}  "
+                      f"lr {r.lr:.3e}  {rate:,.0f} tokens/s", file=log, flush=True)
+            if r.step % o.eval_every == 0 or r.step == o.steps:
+                evaluate_and_save()
+        if interrupted["flag"] and trainer.step < o.steps:
+            trainer.save(ckpt_path)
+            if bar:
+                bar.close()
+            print(f"interrupted at step {trainer.step}; checkpoint saved to {ckpt_path} "
+                  f"(continue with --resume --out {out_dir})", file=log, flush=True)
+            return 130
+    finally:
+        signal.signal(signal.SIGINT, old_handler)
+        if bar:
+            bar.close()
+        log_file.close()
+    elapsed = time.perf_counter() - start
+    best = min(trainer.history, key=lambda h: h["val_loss"]) if trainer.history else None
+    best_txt = f"best val loss {best['val_loss']:.4f} at step {best['step']}" if best else "no validation"
+    print(f"done: {best_txt}; {o.steps} steps, {elapsed:.1f} s this session; checkpoint {ckpt_path}",
+          flush=True)
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="graphlm train", description=__doc__.split("\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
