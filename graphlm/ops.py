@@ -499,7 +499,7 @@ def reshape(x, shape) -> Tensor:
         rest = int(np.prod([d for d in shape if d != -1], dtype=np.int64))
         if rest == 0 or x.size % rest:
             raise ShapeError(f"reshape in {x.graph.current_scope or '<root>'}: cannot reshape "
-                             f"{fmt_shape(x.shape)} into {list(shape)}")
+                             f"{fmt_shape(x.shape)} into {fmt_shape(shape)}")
         shape = tuple(x.size // rest if d == -1 else d for d in shape)
     if shape == x.shape:
         return x
