@@ -30,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: off)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     p.add_argument("--executor", default="numpy", help="executor (default: numpy)")
-    p.add_argument("--threads", type=int, default=0, help="BLAS threads (default 0: leave as is)")
+    p.add_argument("--threads", type=int, default=1, help="BLAS threads (default: 1; 0 = OpenBLAS's choice)")
 
 
 def run(args) -> int:

@@ -8,7 +8,8 @@ A progress bar (loss, tokens/s, learning rate) when stderr is a terminal, plain 
 otherwise; the validation loss every --eval-every steps and at the end, each time with a
 checkpoint in --out; a final line with the best validation loss, the time and the checkpoint.
 Ctrl-C finishes the current step, saves a checkpoint and exits (status 130); a second Ctrl-C
-stops at once. On --resume, options not given on the command line come from the checkpoint.
+stops at once. --max-minutes (14.5 by default) stops a run that would overrun, after a final
+validation and checkpoint. On --resume, options not given on the command line come from the checkpoint.
 """
 from __future__ import annotations
 
@@ -63,8 +64,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--heads", type=int)
     g.add_argument("--layers", type=int)
     g.add_argument("--dropout", type=float)
-    p.add_argument("--threads", type=int, default=0,
-                   help="BLAS threads (default 0: leave as is; 1 is fastest on a busy machine)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="BLAS threads (default 1: on a busy 2-core machine more threads spin "
+                        "against each other and run several times slower; 0 = OpenBLAS's choice)")
+    p.add_argument("--max-minutes", type=float, default=14.5,
+                   help="stop (validate, save) after this much wall time (default: 14.5; 0 = no limit)")
     p.add_argument("--log-every", type=int, default=0,
                    help="plain log line every N steps (default: about 50 lines per run)")
     p.add_argument("--progress", choices=("auto", "bar", "log"), default="auto",
@@ -126,6 +130,8 @@ def run(args) -> int:
         if ckpt_path.exists():
             raise ValueError(f"{ckpt_path} already exists; pass --resume to continue that run or "
                              "choose another --out")
+        if "model" in explicit:
+            explicit["model"] = {**DEFAULTS.model, **explicit["model"]}
         options = TrainOptions(**explicit)
 
     trainer = Trainer(options)
@@ -175,7 +181,16 @@ def run(args) -> int:
         (bar.write(msg) if bar else print(msg, file=log, flush=True))
 
     try:
+        out_of_time = False
         while trainer.step < o.steps and not interrupted["flag"]:
+            if args.max_minutes and time.perf_counter() - start > 60 * args.max_minutes:
+                out_of_time = True
+                msg = (f"time limit of {args.max_minutes} minutes reached at step {trainer.step}; "
+                       "validating and saving (continue with --resume)")
+                (bar.write(msg) if bar else print(msg, file=log, flush=True))
+                if not trainer.history or trainer.history[-1]["step"] != trainer.step:
+                    evaluate_and_save()
+                break
             r = trainer.train_step()
             if not math.isfinite(r.loss):
                 raise ValueError(f"training diverged at step {r.step}: loss {r.loss}; lower --lr")
@@ -205,7 +220,8 @@ def run(args) -> int:
     elapsed = time.perf_counter() - start
     best = min(trainer.history, key=lambda h: h["val_loss"]) if trainer.history else None
     best_txt = f"best val loss {best['val_loss']:.4f} at step {best['step']}" if best else "no validation"
-    print(f"done: {best_txt}; {o.steps} steps, {elapsed:.1f} s this session; checkpoint {ckpt_path}",
+    print(f"done: {best_txt}; {trainer.step} of {o.steps} steps, {elapsed:.1f} s this session; "
+          f"checkpoint {ckpt_path}",
           flush=True)
     return 0
 
