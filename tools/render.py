@@ -55,13 +55,19 @@ LEAF_SHAPE = {"input": "ellipse", "state": "ellipse", "const": "ellipse", "param
 # nested clusters get darker as they nest, so the nesting reads at a glance
 CLUSTER_FILLS = ("#f7f9fb", "#eef2f6", "#e4eaf0", "#dae2ea", "#d0dae4")
 
-# Layout settings that keep `dot` fast on graphs of thousands of nodes (the full TinyLM
-# training graph): straight edges instead of splines, bounded network-simplex and mincross
-# iterations, and newrank so clusters do not force a separate ranking pass each.
-FAST_LAYOUT = {"splines": "line", "nslimit": "2", "nslimit1": "2", "mclimit": "0.3",
-               "searchsize": "30", "remincross": "false"}
+# Layout settings that keep `dot` fast on graphs of hundreds to thousands of nodes (the full
+# TinyLM training graph). Long edges (activations kept for the backward pass) become chains of
+# tens of thousands of virtual nodes; the x-coordinate network simplex over them is what costs
+# (12 s of 17 s here), so nslimit bounds its iterations (to 0.05 x the node count). The ranking
+# pass (nslimit1) is left alone: a worse ranking makes more virtual nodes. mclimit shortens
+# crossing minimisation, splines=line skips spline routing, and newrank ranks the clusters in
+# one pass.
+FAST_LAYOUT = {"splines": "line", "nslimit": "0.05", "mclimit": "0.1", "searchsize": "30",
+               "remincross": "false"}
 # below this many drawn items the default (curved, crossing-minimised) layout is cheap
 FAST_LAYOUT_ABOVE = 400
+# an update node with more param/state inputs than this gets them as one summary node per kind
+FANIN_GROUP_ABOVE = 8
 
 
 class RenderError(RuntimeError):
@@ -215,6 +221,37 @@ def to_dot(graph: Graph, depth: int | None = None, scope: str | None = None, pla
 
     in_scope = [n for n in graph.nodes if inside(n)]
     shown = [n for n in in_scope if not _is_folded_const(n)]
+    # with a scope, the module itself is the outer cluster and depth counts from it
+    root_levels = [scope] if scope else []
+    rel_levels = {n.id: module_levels(homes[n.id])[len(base_levels):] for n in shown}
+
+    def collapsed(n: Tensor) -> bool:
+        return depth is not None and len(rel_levels[n.id]) > depth
+
+    # An optimizer update reads every parameter and both its moments: hundreds of edges from the
+    # top of the picture to the bottom, which make dot slow and the picture a hairball. The
+    # param/state inputs of such a node are drawn as one summary node per kind, and states that
+    # nothing else reads are drawn only there.
+    consumers: dict[int, set[int]] = defaultdict(set)
+    for n in graph.nodes:
+        for i in n.inputs:
+            consumers[i.id].add(n.id)
+    groups: dict[int, dict[str, list[Tensor]]] = {}
+    hidden: set[int] = set()
+    for n in shown:
+        if node_kind(n) != "update" or collapsed(n):
+            continue
+        leaves = list({i.id: i for i in n.inputs if i.op in ("param", "state")}.values())
+        if len(leaves) <= FANIN_GROUP_ABOVE:
+            continue
+        by_kind: dict[str, list[Tensor]] = defaultdict(list)
+        for i in leaves:
+            by_kind[i.op].append(i)
+        groups[n.id] = by_kind
+        for i in by_kind.get("state", []):
+            if all(node_kind(graph.nodes[c]) == "update" for c in consumers[i.id]):
+                hidden.add(i.id)
+    shown = [n for n in shown if n.id not in hidden]
     shown_ids = {n.id for n in shown}
 
     # which drawn item stands for each node: the node itself, or its collapsed module's box
@@ -230,17 +267,15 @@ def to_dot(graph: Graph, depth: int | None = None, scope: str | None = None, pla
             c = c.children[path]
         return c
 
-    # with a scope, the module itself is the outer cluster and depth counts from it
-    root_levels = [scope] if scope else []
-
     for n in shown:
-        levels = module_levels(homes[n.id])[len(base_levels):]
-        if depth is not None and len(levels) > depth:
+        levels = rel_levels[n.id]
+        if collapsed(n):
             path = levels[depth]
             box = boxes.get(path)
             if box is None:
+                parent = levels[depth - 1] if depth else (scope or "")
                 box = boxes[path] = {"id": f"m{len(boxes)}", "nodes": 0, "kinds": defaultdict(int),
-                                     "params": 0, "plan_bytes": 0}
+                                     "params": 0, "short": path[len(parent) + 1:] if parent else path}
                 cluster_for(root_levels + levels[:depth]).items.append(box["id"])
             box["nodes"] += 1
             box["kinds"][node_kind(n)] += 1
@@ -249,14 +284,21 @@ def to_dot(graph: Graph, depth: int | None = None, scope: str | None = None, pla
             rep[n.id] = box["id"]
         else:
             rep[n.id] = f"n{n.id}"
-            cluster_for(root_levels + levels).items.append(rep[n.id])
+            cluster = cluster_for(root_levels + levels)
+            cluster.items.append(rep[n.id])
+            for kind in groups.get(n.id, {}):
+                cluster.items.append(f"g{n.id}_{kind}")
 
     # edges between drawn items; scalar constants fold into their reader's label
     edges: dict[tuple[str, str], int] = {}
     folded: dict[int, list[Tensor]] = defaultdict(list)
     stubs: dict[int, Tensor] = {}
     for n in shown:
+        grouped = {i.id: kind for kind, ins in groups.get(n.id, {}).items() for i in ins}
         for src in n.inputs:
+            if src.id in grouped:
+                edges[(f"g{n.id}_{grouped[src.id]}", rep[n.id])] = 1
+                continue
             if _is_folded_const(src):
                 if rep[n.id] == f"n{n.id}" and src not in folded[n.id]:
                     folded[n.id].append(src)
@@ -270,7 +312,8 @@ def to_dot(graph: Graph, depth: int | None = None, scope: str | None = None, pla
             if a != b:
                 edges[(a, b)] = edges.get((a, b), 0) + 1
 
-    drawn = len([r for r in rep.values() if r.startswith("n")]) + len(boxes) + len(stubs)
+    drawn = len([r for r in rep.values() if r.startswith("n")]) + len(boxes) + len(stubs) \
+        + sum(len(g) for g in groups.values())
     if fast is None:
         fast = drawn > FAST_LAYOUT_ABOVE
 
@@ -290,11 +333,23 @@ def to_dot(graph: Graph, depth: int | None = None, scope: str | None = None, pla
     node_by_id = {n.id: n for n in shown}
 
     def emit_item(item: str, indent: str):
+        if item.startswith("g"):
+            nid, kind = item[1:].split("_", 1)
+            ins = groups[int(nid)][kind]
+            n_hidden = sum(i.id in hidden for i in ins)
+            lines = [f"{len(ins)} {kind}s read and written in place",
+                     f"{sum(i.size for i in ins):,} elements, {fmt_bytes(sum(i.nbytes for i in ins))}"]
+            if n_hidden:
+                lines.append(f"({n_hidden} drawn only here)")
+            fill, border, _ = STYLE[kind]
+            out.append(f"{indent}{item} [label={quote(chr(10).join(lines))}, shape=folder, "
+                       f"style=\"filled\", fillcolor={quote(fill)}, color={quote(border)}];")
+            return
         if item.startswith("m"):
             path, box = next((p, b) for p, b in boxes.items() if b["id"] == item)
-            kinds = ", ".join(f"{c} {k}" for k, c in box["kinds"].items() if k != "param")
-            lines = [path, f"{box['nodes']:,} nodes" + (f" ({kinds})" if kinds else "")]
-            lines.append(f"{box['params']:,} params" if box["params"] else "no params")
+            kinds = ", ".join(f"{c} {k}" for k, c in box["kinds"].items())
+            lines = [box["short"], f"{box['nodes']:,} nodes: {kinds}",
+                     f"{box['params']:,} parameters" if box["params"] else "no parameters"]
             fill, border, _ = STYLE["module"]
             out.append(f"{indent}{item} [label={quote(chr(10).join(lines))}, shape=box, "
                        f"style=\"filled,bold\", fillcolor={quote(fill)}, color={quote(border)}, "
@@ -337,7 +392,9 @@ def to_dot(graph: Graph, depth: int | None = None, scope: str | None = None, pla
         extra = f" [penwidth={quote(min(0.8 + 0.3 * (count - 1), 3.0))}]" if count > 1 else ""
         out.append(f"  {a} -> {b}{extra};")
     if legend:
-        out.append(_legend(graph, shown, boxes, plan))
+        out.append(_legend(graph, [n for n in shown if rep[n.id] == f"n{n.id}"] +
+                           [i for g in groups.values() for ins in g.values() for i in ins],
+                           boxes, plan))
     out.append("}")
     return "\n".join(out) + "\n"
 
