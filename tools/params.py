@@ -113,9 +113,9 @@ def fmt_bytes(n: int) -> str:
 
 
 def parameter_table(source) -> ParamTable:
-    """The parameter tree of a `Graph` (its `param` leaves), of a mapping name -> shape (or
-    name -> (shape, dtype)), or of a model (anything with a `config` that is called on a tokens
-    tensor: its forward graph is built, allocating no parameter arrays)."""
+    """The parameter tree of a `Graph` (its `param` leaves), of a `graphlm.nn.Module` (its
+    declared parameters: no arrays are made) or of a mapping name -> shape (or name -> (shape,
+    dtype)). A parameter reachable under two names (a tied head) is one row, marked shared."""
     shared: dict[str, list[str]] = {}
     if isinstance(source, Graph):
         graph = source
@@ -129,8 +129,10 @@ def parameter_table(source) -> ParamTable:
             else:
                 shape, dtype = spec, np.float32
             specs.append((str(name), tuple(int(d) for d in shape), np.dtype(dtype)))
-    elif hasattr(source, "config") and callable(source):
-        return parameter_table(model_graph(source))
+    elif hasattr(source, "parameters") and hasattr(source, "named_modules"):
+        # a graphlm.nn Module: declared shapes only, no arrays, no graph
+        specs = [(name, p.shape, np.dtype(p.dtype)) for name, p in source.parameters().items()]
+        shared = module_shared_params(source)
     else:
         raise TypeError(f"parameter_table: expected a graphlm Graph, a mapping of shapes or a "
                         f"model, got {type(source).__name__}")
@@ -155,6 +157,19 @@ def parameter_table(source) -> ParamTable:
         rows.append(Row(name, "param", len(levels), count, nbytes, tuple(shape), str(dtype),
                         [m for m in shared.get(name, []) if not name.startswith(m + ".")]))
     return ParamTable(rows, total, total_bytes, len(specs), shared)
+
+
+def module_shared_params(model) -> dict[str, list[str]]:
+    """Parameter name -> the modules holding it, for parameters held by more than one module
+    (a tied head holds the embedding's weight). The name is the first one `parameters()` uses."""
+    holders: dict[int, list[str]] = {}
+    first: dict[int, str] = {}
+    for path, module in model.named_modules():
+        for attr, value in vars(module).items():
+            if type(value).__name__ == "Parameter" and hasattr(value, "shape"):
+                holders.setdefault(id(value), []).append(path)
+                first.setdefault(id(value), f"{path}.{attr}" if path else attr)
+    return {first[k]: sorted(set(v)) for k, v in holders.items() if len(set(v)) > 1}
 
 
 def model_graph(model, batch_size: int = 1, seq_len: int = 1) -> Graph:
