@@ -301,3 +301,20 @@ def test_readme_example_runs_as_written(capsys):
         t = np.tanh(x @ w)
         np.testing.assert_allclose(namespace["loss_value"], np.mean(t * t), rtol=1e-6)
         np.testing.assert_allclose(namespace["dw_value"], x.T @ (2 * t * (1 - t * t) / t.size), rtol=1e-5)
+
+
+API = ("Graph ShapeError GraphError Tensor grad vjp add sub mul div neg exp log sqrt rsqrt tanh sigmoid "
+       "relu gelu silu square pow maximum where erf cast sum mean max reshape transpose broadcast_to "
+       "slice concat split matmul embedding softmax log_softmax layer_norm rms_norm cross_entropy "
+       "causal_mask dropout").split()
+
+
+def test_the_functional_api_is_exported_from_the_top_level_package():
+    missing = [name for name in API if not hasattr(gl, name)]
+    assert not missing, f"graphlm lacks {missing}"
+    assert issubclass(gl.ShapeError, ValueError) and issubclass(gl.GraphError, ValueError)
+    g = gl.Graph()
+    x = g.input("x", (2, 3))
+    assert gl.gelu(x).attrs["approximate"] == "tanh"      # GPT-2's form is the default
+    (dx,) = gl.grad(gl.sum(x), x)                          # a single wrt tensor works too
+    assert dx.shape == (2, 3)
