@@ -37,9 +37,13 @@ def grad(loss: Tensor, wrt: Tensor | Sequence[Tensor]) -> list[Tensor]:
         if w.dtype.kind != "f":
             raise GraphError(f"grad: cannot differentiate with respect to {w.label}, an integer "
                              f"tensor ({w.dtype} {fmt_shape(w.shape)})")
-    with loss.graph.backward_context(loss.scope):
-        seed = loss.graph.const(np.ones((), dtype=loss.dtype))
-    return vjp([loss], [seed], wrt)
+    graph = loss.graph
+    start = len(graph.nodes)
+    with graph.backward_context(loss.scope):
+        seed = graph.const(np.ones((), dtype=loss.dtype))
+    grads = vjp([loss], [seed], wrt)
+    graph.eliminate_dead_since(start, grads)  # cotangents of consts etc. that nobody needs
+    return grads
 
 
 def vjp(outputs: Sequence[Tensor], cotangents: Sequence[Tensor], wrt: Sequence[Tensor],

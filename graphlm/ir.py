@@ -194,6 +194,9 @@ class Graph:
         for t in inputs:
             if not isinstance(t, Tensor):
                 raise GraphError(f"{op}: input {t!r} is not a graphlm.Tensor")
+            if t.id < 0:
+                raise GraphError(f"{op}: input {t.op} node was removed from graph '{self.name}' "
+                                 "as dead code by the differentiation pass")
             if t.graph is not self:
                 raise GraphError(f"{op} in {self.current_scope or '<root>'}: input {t.label} "
                                  f"belongs to graph '{t.graph.name}', not '{self.name}'; "
@@ -257,6 +260,34 @@ class Graph:
             self._scalar_consts[key] = node
             return node
         return self._add("const", (), {"value": arr}, arr.shape, arr.dtype)
+
+    def eliminate_dead_since(self, start: int, live) -> int:
+        """Drop the nodes made since node `start` that no tensor of `live` depends on.
+
+        The differentiation pass calls this: VJP rules build cotangents for every input (a const
+        operand included) and the ones nobody asked for would otherwise stay in the graph and in
+        its renderings. Survivors keep their order and are renumbered. Returns how many went.
+        """
+        tail = self.nodes[start:]
+        keep: set[int] = set()
+        stack = [t for t in live if t.graph is self and t.id >= start]
+        while stack:
+            t = stack.pop()
+            if id(t) in keep:
+                continue
+            keep.add(id(t))
+            stack.extend(i for i in t.inputs if i.id >= start and id(i) not in keep)
+        survivors = [n for n in tail if id(n) in keep]
+        dropped = len(tail) - len(survivors)
+        if dropped:
+            for i, n in enumerate(survivors):
+                object.__setattr__(n, "id", start + i)
+            for n in tail:
+                if id(n) not in keep:
+                    object.__setattr__(n, "id", -1)  # a stale handle fails loudly if ever used
+            self.nodes[start:] = survivors
+            self._scalar_consts = {k: v for k, v in self._scalar_consts.items() if v.id >= 0}
+        return dropped
 
     # -- views of the graph ------------------------------------------------------------------------
     def leaves(self) -> dict[str, Tensor]:

@@ -259,3 +259,24 @@ def test_vjp_with_explicit_cotangents_pulls_back_several_outputs():
     xv, cav, cbv = np.array([0.0, 1.0, -1.0]), np.array([1.0, 2.0, 3.0]), np.array([-1.0, 0.5, 0.0])
     (got,) = run(g, [dx], {"x": xv, "ca": cav, "cb": cbv})
     assert_close(got, cav * np.exp(xv) + 2 * cbv, 1e-12)
+
+
+def test_grad_leaves_no_dead_backward_nodes():
+    """Cotangents nobody asked for (a const operand's, an unused input's) are not left behind:
+    every backward node is an ancestor of some returned gradient."""
+    g = gl.Graph()
+    x = g.input("x", (3, 4))
+    w = g.param("w", (4, 2))
+    loss = gl.sum(gl.tanh(x @ w) * 0.5 + 2.0)
+    (dw,) = gl.grad(loss, [w])
+    live, stack = set(), [dw]
+    while stack:
+        n = stack.pop()
+        if n.id not in live:
+            live.add(n.id)
+            stack.extend(n.inputs)
+    dead = [n for n in g.nodes if n.is_backward and n.id not in live]
+    assert dead == []
+    assert [n.id for n in g.nodes] == list(range(len(g.nodes)))
+    # the gradient of x (an input, not asked for) was never built: no matmul by w^T
+    assert sum(1 for n in g.nodes if n.op == "matmul" and n.is_backward) == 1
