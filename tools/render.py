@@ -226,7 +226,7 @@ def to_dot(graph: Graph, depth: int | None = None, scope: str | None = None, pla
     shown = [n for n in in_scope if not _is_folded_const(n)]
     # with a scope, the module itself is the outer cluster and depth counts from it
     root_levels = [scope] if scope else []
-    rel_levels = {n.id: module_levels(homes[n.id])[len(base_levels):] for n in shown}
+    rel_levels = {n.id: module_levels(homes[n.id])[len(base_levels):] for n in in_scope}
 
     def collapsed(n: Tensor) -> bool:
         return depth is not None and len(rel_levels[n.id]) > depth
@@ -270,9 +270,11 @@ def to_dot(graph: Graph, depth: int | None = None, scope: str | None = None, pla
             c = c.children[path]
         return c
 
-    for n in shown:
+    for n in in_scope:
+        if n.id in hidden:
+            continue
         levels = rel_levels[n.id]
-        if collapsed(n):
+        if collapsed(n):   # counted in its module's box (scalar constants too)
             path = levels[depth]
             box = boxes.get(path)
             if box is None:
@@ -285,6 +287,8 @@ def to_dot(graph: Graph, depth: int | None = None, scope: str | None = None, pla
             if n.op == "param":
                 box["params"] += n.size
             rep[n.id] = box["id"]
+        elif _is_folded_const(n):
+            continue
         else:
             rep[n.id] = f"n{n.id}"
             cluster = cluster_for(root_levels + levels)

@@ -1,0 +1,307 @@
+"""tools.render: DOT text (ids, escaping, colours, clusters, depth, scope, plan) and drawing."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import xml.etree.ElementTree as ET
+
+import numpy as np
+import pytest
+
+import graphlm as gl
+from tools import render as R
+from tools.stats import module_levels, node_kind
+
+HAVE_DOT = shutil.which("dot") is not None
+needs_dot = pytest.mark.skipif(not HAVE_DOT, reason="Graphviz dot is not installed")
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+def nested_graph():
+    """Two blocks with two sub-modules each, a loss at the root, and its gradients."""
+    g = gl.Graph("nested")
+    x = g.input("x", (4, 3))
+    h = x
+    with g.scope("blocks"):
+        for i in range(2):
+            with g.scope(str(i)):
+                with g.scope("attention"):
+                    w = g.param(f"blocks.{i}.attention.weight", (3, 3))
+                    h = gl.tanh(h @ w)
+                with g.scope("mlp"):
+                    v = g.param(f"blocks.{i}.mlp.weight", (3, 3))
+                    b = g.param(f"blocks.{i}.mlp.bias", (3,))
+                    h = h + gl.relu(h @ v + b)
+    loss = gl.mean(h * h)
+    grads = gl.grad(loss, list(g.params.values()))
+    return g, loss, grads
+
+
+def node_statements(dot: str) -> dict[str, str]:
+    """DOT node id -> its attribute text, for statements like ``  n12 [label=...];``."""
+    return {m.group(1): m.group(2) for m in re.finditer(r"^\s*([A-Za-z_][\w]*) \[(.*)\];$", dot, re.M)
+            if m.group(1) not in ("graph", "node", "edge")}
+
+
+def attr(stmt: str, key: str) -> str:
+    m = re.search(rf'(?:^|, ){key}="((?:[^"\\]|\\.)*)"', stmt)
+    return m.group(1) if m else None
+
+
+# -- ids and escaping ---------------------------------------------------------------------------------
+def odd_names_graph():
+    g = gl.Graph('odd "graph"')
+    a = g.input("enc:tokens.0", (2, 3))
+    with g.scope("layer:1"):
+        w = g.param("layer:1.w:q", (3, 3))
+        y = gl.tanh(a @ w)
+    s = g.state('cache"\\x\nline', (2, 3))
+    return g, gl.sum(y * s)
+
+
+def test_dot_ids_are_plain_even_when_names_have_colons_and_dots():
+    g, _ = odd_names_graph()
+    dot = R.to_dot(g)
+    stmts = node_statements(dot)
+    node_ids = [k for k in stmts if k != "legend"]
+    assert node_ids and all(re.fullmatch(r"n\d+", k) for k in node_ids), node_ids
+    for a, b in re.findall(r"^\s*(\S+) -> (\S+?)[ ;]", dot, re.M):
+        assert re.fullmatch(r"n\d+", a) and re.fullmatch(r"n\d+", b), (a, b)
+    # the names are in quoted labels, escaped
+    assert 'input enc:tokens.0' in dot
+    assert 'param layer:1.w:q' in dot
+    assert 'cache\\"\\\\x\\nline' in dot      # quote, backslash, newline escaped
+
+
+@needs_dot
+def test_graphviz_attaches_each_edge_to_the_right_named_node():
+    """Graphviz's own reading of the DOT text: each edge joins the nodes whose labels name the
+    graph's producer and consumer (a ':' in an id would have made it a port of another node)."""
+    g, _ = odd_names_graph()
+    proc = subprocess.run(["dot", "-Tjson0"], input=R.to_dot(g, legend=False).encode(),
+                          capture_output=True, check=True, timeout=60)
+    laid = json.loads(proc.stdout)
+    names = {o["_gvid"]: o["name"] for o in laid["objects"] if "_gvid" in o and "nodes" not in o}
+    assert set(names.values()) == {f"n{n.id}" for n in g.nodes if not (n.op == "const" and n.shape == ())}
+    got = {(names[e["tail"]], names[e["head"]]) for e in laid["edges"]}
+    want = {(f"n{s.id}", f"n{n.id}") for n in g.nodes for s in n.inputs
+            if not (s.op == "const" and s.shape == ())}
+    assert got == want
+    labels = {o["name"]: o["label"] for o in laid["objects"] if "label" in o and o["name"].startswith("n")}
+    assert labels["n0"].startswith("input enc:tokens.0")
+    assert labels["n1"].startswith("param layer:1.w:q")
+    # Graphviz keeps label escapes (\\ and \n) until drawing; the drawn SVG has the name itself
+    proc = subprocess.run(["dot", "-Tsvg"], input=R.to_dot(g).encode(), capture_output=True,
+                          check=True, timeout=60)
+    texts = [t.text for t in ET.fromstring(proc.stdout).iter(f"{SVG}text")]
+    assert 'state cache"\\x' in texts and "line" in texts
+
+
+# -- labels and colours --------------------------------------------------------------------------------
+def graph_with_every_kind():
+    from graphlm.optim import SGD
+
+    g = gl.Graph("kinds")
+    x = g.input("x", (2, 3))
+    w = g.param("w", (3, 2))
+    c = g.const(np.arange(2, dtype=np.float32))
+    s = g.state("running", (2, 2))
+    loss = gl.mean(gl.tanh(x @ w + c) * s)
+    step = SGD(lr=0.1).minimize(loss)
+    return g, step
+
+
+def test_labels_say_op_shape_dtype_and_names_and_colours_follow_the_kind():
+    g, step = graph_with_every_kind()
+    dot = R.to_dot(g)
+    stmts = node_statements(dot)
+    kinds_seen = set()
+    for n in g.nodes:
+        sid = f"n{n.id}"
+        if sid not in stmts:       # scalar consts are folded into their reader's label
+            assert n.op == "const" and n.shape == ()
+            continue
+        kind = node_kind(n)
+        kinds_seen.add(kind)
+        label = attr(stmts[sid], "label")
+        assert label.startswith(n.op), (label, n)
+        assert f"{R.fmt_shape(n.shape)} {R.short_dtype(n.dtype)}" in label
+        if n.name:
+            assert n.name in label
+        assert attr(stmts[sid], "fillcolor") == R.STYLE[kind][0]
+    assert {"input", "param", "state", "const", "forward", "backward", "update"} <= kinds_seen
+    fills = {R.STYLE[k][0] for k in ("input", "param", "forward", "backward", "update")}
+    assert len(fills) == 5, "leaves, params, forward, backward and update need distinct colours"
+    legend = stmts["legend"]
+    for kind in kinds_seen:
+        assert R.STYLE[kind][0] in legend and R.STYLE[kind][2] in legend
+
+
+# -- clusters and depth ----------------------------------------------------------------------------------
+def clusters(dot: str) -> list[str]:
+    return re.findall(r'subgraph (cluster_\d+) \{\s*graph \[label="([^"]*)"', dot)
+
+
+def test_full_depth_draws_every_module_as_nested_clusters():
+    g, _, _ = nested_graph()
+    dot = R.to_dot(g)
+    labels = [lab for _, lab in clusters(dot)]
+    assert sorted(labels) == sorted(["blocks.0", "blocks.0.attention", "blocks.0.mlp",
+                                     "blocks.1", "blocks.1.attention", "blocks.1.mlp"])
+    # blocks.0.attention is opened inside blocks.0 and closed before blocks.0 closes
+    start0 = dot.index('label="blocks.0"')
+    inner = dot.index('label="blocks.0.attention"')
+    start1 = dot.index('label="blocks.1"')
+    assert start0 < inner < start1
+
+
+def test_depth_collapses_deeper_modules_into_counted_boxes():
+    g, _, _ = nested_graph()
+    dot = R.to_dot(g, depth=1)
+    assert sorted(lab for _, lab in clusters(dot)) == ["blocks.0", "blocks.1"]
+    stmts = node_statements(dot)
+    boxes = {attr(s, "tooltip"): attr(s, "label") for k, s in stmts.items() if k.startswith("m")}
+    assert set(boxes) == {"blocks.0.attention", "blocks.0.mlp", "blocks.1.attention", "blocks.1.mlp"}
+    for path, label in boxes.items():
+        members = [n for n in g.nodes if n.scope == path or n.scope.startswith(path + ".")]
+        params = sum(n.size for n in members if n.op == "param")
+        assert f"{len(members)} nodes" in label, (path, label)
+        assert f"{params:,} parameters" in label, (path, label)
+    # no node of a collapsed module is drawn on its own
+    drawn = {int(k[1:]) for k in stmts if re.fullmatch(r"n\d+", k)}
+    assert all(len(module_levels(g.nodes[i].scope)) <= 1 for i in drawn)
+    dot0 = R.to_dot(g, depth=0)
+    assert clusters(dot0) == []
+    assert {attr(s, "tooltip") for k, s in node_statements(dot0).items() if k.startswith("m")} == \
+        {"blocks.0", "blocks.1"}
+
+
+def test_scope_draws_only_that_module_with_outside_inputs_as_stubs():
+    g, _, _ = nested_graph()
+    dot = R.to_dot(g, scope="blocks.1")
+    stmts = node_statements(dot)
+    drawn = {int(k[1:]) for k in stmts if re.fullmatch(r"n\d+", k)}
+    want = {n.id for n in g.nodes if n.scope == "blocks.1" or n.scope.startswith("blocks.1.")
+            if not (n.op == "const" and n.shape == ())}
+    assert drawn == want
+    assert [lab for _, lab in clusters(dot)][0] == "blocks.1"
+    stubs = [s for k, s in stmts.items() if k.startswith("x")]
+    assert stubs and all("from " in attr(s, "label") for s in stubs)
+    with pytest.raises(R.RenderError, match=r"no module scope 'blocks\.7'.*blocks\.0"):
+        R.to_dot(g, scope="blocks.7")
+    with pytest.raises(R.RenderError, match="depth"):
+        R.to_dot(g, depth=-1)
+
+
+def test_optimizer_fan_in_is_summarised():
+    """An update node reading many params and moments gets one summary node per kind, and
+    moments nothing else reads are drawn only there."""
+    from graphlm.optim import SGD
+
+    g = gl.Graph("fan_in")
+    h = g.input("x", (2, 4))
+    for i in range(R.FANIN_GROUP_ABOVE + 2):
+        with g.scope(f"layer{i}"):
+            h = gl.tanh(h @ g.param(f"layer{i}.w", (4, 4)))
+    step = SGD(lr=0.1, momentum=0.9).minimize(gl.mean(h))
+    dot = R.to_dot(g)
+    stmts = node_statements(dot)
+    u = step.update.id
+    assert f"n{u}" in stmts
+    assert not any(f"n{p.id} -> n{u}" in dot for p in g.params.values())
+    assert f"g{u}_param -> n{u}" in dot and f"g{u}_state -> n{u}" in dot
+    assert f"{len(g.params)} params read and written in place" in attr(stmts[f"g{u}_param"], "label")
+    assert not any(f"n{s.id}" in stmts for s in g.states.values())
+    small, small_step = graph_with_every_kind()
+    assert f"n{small.params['w'].id} -> n{small_step.update.id}" in R.to_dot(small)
+
+
+# -- the memory plan ---------------------------------------------------------------------------------------
+def test_plan_annotations_match_the_numpy_plan():
+    executors = pytest.importorskip("executors")
+    if "numpy" not in executors.available_executors():
+        pytest.skip("numpy executor not available")
+    g, loss, grads = nested_graph()
+    program = executors.get("numpy").compile(g, [loss, *grads])
+    plan = program.plan
+    stmts = node_statements(R.to_dot(g, plan=plan))
+    kinds = {e.kind for e in plan.entries.values()}
+    assert "inplace" in kinds and "view" in kinds
+    for nid, e in plan.entries.items():
+        stmt = stmts.get(f"n{nid}")
+        if stmt is None:
+            continue
+        label = attr(stmt, "label")
+        if e.kind == "arena":
+            assert f"arena @{e.offset:,}" in label
+        elif e.kind == "inplace":
+            assert f"in place of n{e.base} @{e.offset:,}" in label and 'peripheries="2"' in stmt
+        elif e.kind == "view":
+            assert f"view of n{e.base}" in label and "dashed" in attr(stmt, "style")
+
+
+# -- files -----------------------------------------------------------------------------------------------------
+@needs_dot
+def test_render_writes_svg_png_and_dot(tmp_path):
+    g, _, _ = nested_graph()
+    svg = R.render(g, tmp_path / "g.svg", depth=1)
+    root = ET.parse(svg).getroot()
+    titles = [c.find(f"{SVG}title").text for c in root.iter(f"{SVG}g") if c.get("class") == "cluster"]
+    assert len(titles) == 2
+    png = R.render(g, tmp_path / "g.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    dot = R.render(g, tmp_path / "g.gv")
+    assert dot.read_text().startswith("digraph")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["g.gv", "g.png", "g.svg"]
+
+
+def test_missing_dot_writes_the_dot_file_and_says_how_to_install(tmp_path, monkeypatch):
+    monkeypatch.setattr(R.shutil, "which", lambda name: None)
+    g, _, _ = nested_graph()
+    with pytest.raises(R.GraphvizNotFound) as err:
+        R.render(g, tmp_path / "g.svg")
+    assert "apt-get install -y graphviz" in str(err.value)
+    assert str(tmp_path / "g.dot") in str(err.value)
+    assert not (tmp_path / "g.svg").exists()
+    assert (tmp_path / "g.dot").read_text() == R.to_dot(g)
+
+
+def test_bad_output_paths_fail_before_any_work(tmp_path):
+    g, _, _ = nested_graph()
+    with pytest.raises(R.RenderError, match="does not exist"):
+        R.render(g, tmp_path / "missing" / "g.svg")
+    with pytest.raises(R.RenderError, match="output format"):
+        R.render(g, tmp_path / "g.jpeg2")
+    with pytest.raises(R.RenderError, match="is a directory"):
+        R.render(g, tmp_path, format="svg")
+    assert list(tmp_path.iterdir()) == []
+
+
+@needs_dot
+def test_dot_failure_is_a_clear_error_and_leaves_no_partial_file(tmp_path, monkeypatch):
+    g, _, _ = nested_graph()
+    monkeypatch.setattr(R, "to_dot", lambda *a, **k: "digraph { this is not dot ;; }")
+    with pytest.raises(R.RenderError, match="Graphviz 'dot' failed"):
+        R.render(g, tmp_path / "g.svg")
+    assert not (tmp_path / "g.svg").exists()
+
+
+@needs_dot
+def test_tinylm_forward_at_depth_1_has_one_cluster_per_top_level_module(tmp_path):
+    from graphlm.models import GPT, GPTConfig
+
+    model = GPT(GPTConfig.preset("tinylm")).eval()
+    g = gl.Graph("tinylm")
+    model(g.input("tokens", (1, 128), "int64"))
+    svg = R.render(g, tmp_path / "tinylm.svg", depth=1)
+    root = ET.parse(svg).getroot()
+    names = sorted(next(c.iter(f"{SVG}text")).text for c in root.iter(f"{SVG}g")
+                   if c.get("class") == "cluster")
+    top = sorted({module_levels(n.scope)[0] for n in g.nodes if n.scope})
+    assert names == top
+    assert names == sorted(["token_embedding", "positional_embedding", "blocks.0", "blocks.1",
+                            "blocks.2", "blocks.3", "final_norm", "language_model_head"])
+    texts = " ".join(t.text or "" for t in root.iter(f"{SVG}text"))
+    assert "148,224 parameters" in texts       # each block's attention box
