@@ -52,7 +52,7 @@ def load_config(preset: str | None = None, config: str | None = None):
     if config is not None:
         text = config
         source = "--config"
-        if not config.lstrip().startswith("{"):
+        if not config.lstrip().startswith(("{", "[")):
             path = Path(config)
             if not path.is_file():
                 raise CLIError(f"--config: no such file '{config}' (give a JSON file or a JSON "
