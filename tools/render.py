@@ -482,6 +482,9 @@ def write_atomic(path: Path, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)     # mkstemp makes 0600; a picture is for everyone
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
