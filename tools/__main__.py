@@ -1,0 +1,6 @@
+"""``python -m tools ...`` is the `graphlm` command."""
+import sys
+
+from .cli import main
+
+sys.exit(main())
