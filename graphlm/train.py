@@ -42,19 +42,19 @@ class TrainOptions:
     """Everything that decides a training run (saved in checkpoints, compared on resume)."""
 
     preset: str = "tinylm"
-    steps: int = 500                  # total optimizer steps of the run
-    batch_size: int = 16
-    lr: float = 3e-3                  # peak learning rate
+    steps: int = 1800                 # total optimizer steps of the run
+    batch_size: int = 8               # small batches: more steps for the same tokens
+    lr: float = 2e-3                  # peak learning rate
     min_lr_ratio: float = 0.1         # cosine decays to lr * min_lr_ratio
-    warmup: int = 30                  # linear warmup steps
+    warmup: int = 50                  # linear warmup steps
     decay_steps: int | None = None    # cosine horizon (default: steps)
     weight_decay: float = 0.1
     beta1: float = 0.9
-    beta2: float = 0.95
+    beta2: float = 0.99              # 1k tokens per batch: noisy gradients, a longer v average
     eps: float = 1e-8
     clip_norm: float | None = 1.0
     seed: int = 0
-    eval_every: int = 100
+    eval_every: int = 200
     eval_batches: int | None = 16     # validation batches per evaluation (None: the whole split)
     data: str | None = None           # a text file; None = the bundled tiny Shakespeare
     executor: str = "numpy"
