@@ -801,3 +801,55 @@ class NumpyExecutor:
 
     def compile(self, graph, outputs, poison: bool = False) -> NumpyProgram:
         return NumpyProgram(graph, outputs, poison=poison)
+
+
+# == optimizer updates (graphlm/ops.py "optimizer ops"; owned with graphlm.optim) =====================
+# The same arithmetic as the reference kernels, in the same order (bit-identical results), but in
+# place over two scratch buffers of the largest parameter's size: nothing is allocated per run.
+
+def _largest_param(node, first: int, group: int):
+    return max(t.size for t in node.inputs[first::group])
+
+
+def _adamw_scratch(node, pos):
+    n = _largest_param(node, 3, 4)
+    return [((n,), node.inputs[3].dtype), ((n,), node.inputs[3].dtype)]
+
+
+@kernel("adamw_update", scratch=_adamw_scratch)
+def _adamw_update(node, out, ins, scratch):
+    lr_a, step_a, coef_a = ins[:3]
+    groups = [tuple(ins[3 + 4 * k: 7 + 4 * k]) for k in range(len(node.attrs["weight_decay"]))]
+    a = node.attrs
+    b1, b2, eps = a["beta1"], a["beta2"], a["eps"]
+    buf1, buf2 = scratch
+
+    def run():
+        t = int(step_a)
+        if t < 1:
+            raise ExecutionError(f"{node_where(node)}: the step count must be >= 1, got {t}")
+        lr = float(lr_a)
+        step_size = lr / (1.0 - b1 ** t)
+        bc2_sqrt = math.sqrt(1.0 - b2 ** t)
+        for (p, grad, m, v), wd in zip(groups, a["weight_decay"]):
+            dt = p.dtype
+            g = buf1[:p.size].reshape(p.shape)
+            tmp = buf2[:p.size].reshape(p.shape)
+            np.multiply(grad, coef_a.astype(dt), out=g)
+            if wd:
+                p *= _s(1.0 - lr * wd, dt)
+            m *= _s(b1, dt)
+            np.multiply(_s(1.0 - b1, dt), g, out=tmp)
+            m += tmp
+            v *= _s(b2, dt)
+            np.multiply(_s(1.0 - b2, dt), g, out=tmp)
+            tmp *= g
+            v += tmp
+            np.sqrt(v, out=tmp)
+            tmp /= _s(bc2_sqrt, dt)
+            tmp += _s(eps, dt)
+            np.multiply(_s(step_size, dt), m, out=g)
+            g /= tmp
+            p -= g
+        out[...] = 0.0
+    return run

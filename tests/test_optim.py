@@ -185,3 +185,13 @@ def test_global_norm_and_update_order():
     assert first == fresh
     second = prog.run({"x": x, "y": y, **opt.feeds(1)}, state)[0]
     assert second < first
+
+
+def test_numpy_executor_update_is_bit_identical_to_reference():
+    opt_args = dict(lr=optim.WarmupCosine(0.05, 2, 6), betas=(0.9, 0.95), weight_decay=0.1, clip_norm=0.3)
+    params, data = init(5), batches(4, seed=9)
+    ref, ref_norms = run_graphlm(optim.AdamW(**opt_args), params, data, executor="reference")
+    fast, fast_norms = run_graphlm(optim.AdamW(**opt_args), params, data, executor="numpy")
+    assert fast_norms == ref_norms
+    for k in ref:
+        assert fast[k].tobytes() == ref[k].tobytes(), k
