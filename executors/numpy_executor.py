@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -763,7 +764,7 @@ class NumpyProgram(Program):
             else:
                 off = plan.entries[e.base].offset if e.kind == "inplace" else e.offset
                 arrays[nid] = self._arena_array(off, n.shape, n.dtype)
-        steps = []
+        steps, step_nodes = [], []
         for nid in plan.schedule:
             n = nodes[nid]
             e = plan.entries[nid]
@@ -772,7 +773,9 @@ class NumpyProgram(Program):
             scratch = [self._arena_array(s.offset, s.shape, s.dtype) for s in plan.scratch.get(nid, ())]
             k = kernel_for(n.op)
             steps.append(k.build(n, arrays[nid], [arrays[i.id] for i in n.inputs], scratch))
+            step_nodes.append(n)
         self._steps = steps
+        self._step_nodes = step_nodes
         self._state_copies = copies
         self._results = [arrays[o.id] for o in self.outputs]
         self._bound = [(name, state[name]) for name in self.state_nodes]
@@ -791,6 +794,27 @@ class NumpyProgram(Program):
             for step in self._steps:
                 step()
         return [r.copy() for r in self._results]
+
+    def profile(self, feeds=None, state=None) -> list[tuple]:
+        """Run once, timing every kernel: [(node, seconds), ...] in run order. The node is the
+        graph node (or the executor's fused node) the kernel computes; views and leaves take no
+        time and are not listed. Results are computed exactly as by `run` (and discarded)."""
+        feeds = self.check_feeds(feeds)
+        state = self.check_state(state)
+        if self._bound is None or any(state[name] is not arr for name, arr in self._bound):
+            self._bind(state)
+        for buf, name in self._feed_pairs:
+            np.copyto(buf, feeds[name])
+        for private, arr in self._state_copies:
+            np.copyto(private, arr)
+        clock = time.perf_counter
+        timings = []
+        with np.errstate(all="ignore"):
+            for node, step in zip(self._step_nodes, self._steps):
+                t0 = clock()
+                step()
+                timings.append((node, clock() - t0))
+        return timings
 
 
 class NumpyExecutor:

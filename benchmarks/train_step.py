@@ -1,0 +1,396 @@
+"""TinyLM training step: graphlm (numpy executor) vs PyTorch eager, side by side in one process.
+
+The same architecture, the same initial weights and the same step (forward with dropout, mean
+cross-entropy, backward, global-norm clipping at 1.0, AdamW with decay on matrices only) in both
+frameworks. Per batch size: after warm-up, the two step functions are timed alternately (so load
+from other processes hits both alike); the median ms/step, tokens/s, the ratio graphlm / PyTorch
+and the MFU (analytic matmul FLOPs of tools.params.flops_per_token over the measured
+``np.matmul`` 2048^3 rate of the same run) are reported.
+
+Honesty check: before timing, both run two steps from the same weights with the *same* dropout
+masks (graphlm's counter-based masks, multiplied in by the PyTorch model) and must agree on both
+losses within 1e-4 (the second loss checks clipping and AdamW too).
+
+Peak memory: each framework trains in its own subprocess (a few steps at each batch size) and
+reports its peak resident set (VmHWM) and the peak over its resident set right after imports;
+the graphlm child never imports torch.
+
+    python benchmarks/train_step.py [--batches 1 8 32] [--steps 15] [--threads 2] [--quick]
+        [--json benchmarks/train_step.json] [--markdown PATH] [--no-memory] [--profile]
+
+`--profile` instead prints where graphlm's step time goes (per op kind; forward, backward and
+optimizer) from `NumpyProgram.profile`.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import executors  # noqa: E402
+import graphlm as gl  # noqa: E402
+from graphlm.models import GPT, GPTConfig  # noqa: E402
+from graphlm.nn import DROPOUT_KEY  # noqa: E402
+from graphlm.optim import AdamW  # noqa: E402
+from graphlm.random import dropout_keep_scale  # noqa: E402
+from tools.params import flops_per_token  # noqa: E402
+from tools.train_cli import set_blas_threads  # noqa: E402
+
+LR, WEIGHT_DECAY, CLIP = 1e-3, 0.01, 1.0
+LOSS_TOLERANCE = 1e-4
+
+
+# == graphlm ==========================================================================================
+
+class GraphlmStep:
+    """The compiled training step (forward, loss, backward, clip, AdamW) and its state."""
+
+    def __init__(self, config: GPTConfig, batch: int, seed: int = 0):
+        self.config, self.batch = config, batch
+        t = config.context_length
+        self.model = model = GPT(config)
+        g = gl.Graph(f"tinylm_train_b{batch}")
+        tokens = g.input("tokens", (batch, t), np.int64)
+        targets = g.input("targets", (batch, t), np.int64)
+        model.train()
+        loss = model.loss(tokens, targets)
+        self.optimizer = AdamW(lr=LR, weight_decay=WEIGHT_DECAY, clip_norm=CLIP)
+        step = self.optimizer.minimize(loss)
+        self.graph = g
+        self.program = executors.get("numpy").compile(g, [loss, step.grad_norm, step.update])
+        self.state = model.init(seed)
+        self.state.update(self.optimizer.init_state())
+        self.uses_dropout = DROPOUT_KEY in g.inputs
+        # forward dropout nodes in build order: attention output, then MLP, per block
+        self.dropout_streams = [n.attrs["stream"] for n in g.nodes if n.op == "dropout" and not n.is_backward]
+        self.count = 0
+
+    def feeds(self, tokens, targets, key: int) -> dict:
+        f = {"tokens": tokens, "targets": targets, **self.optimizer.feeds(self.count)}
+        if self.uses_dropout:
+            f[DROPOUT_KEY] = np.asarray(key, np.int64)
+        return f
+
+    def step(self, tokens, targets, key: int) -> float:
+        loss, _, _ = self.program.run(self.feeds(tokens, targets, key), self.state)
+        self.count += 1
+        return float(loss)
+
+    def masks(self, key: int, shape) -> list[np.ndarray]:
+        p = self.config.dropout
+        return [dropout_keep_scale(key, s, shape, p, np.float32) for s in self.dropout_streams]
+
+
+# == PyTorch eager: the same model ====================================================================
+
+class TorchStep:
+    """TinyLM in PyTorch eager, parameters copied from graphlm's initialisation."""
+
+    def __init__(self, config: GPTConfig, params: dict, torch):
+        self.t, self.c = torch, config
+        self.p = {k: torch.tensor(np.array(v), requires_grad=True) for k, v in params.items()}
+        decay = [v for v in self.p.values() if v.ndim >= 2]
+        no_decay = [v for v in self.p.values() if v.ndim < 2]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=LR, betas=(0.9, 0.999), eps=1e-8)
+        t = config.context_length
+        self.causal = torch.ones(t, t, dtype=torch.bool).triu(1)
+
+    def ln(self, x, name):
+        return self.t.nn.functional.layer_norm(x, (self.c.channels,), self.p[f"{name}.weight"],
+                                               self.p[f"{name}.bias"], self.c.layer_norm_epsilon)
+
+    def drop(self, x, masks):
+        if masks is not None:
+            return x * masks.pop(0)
+        return self.t.nn.functional.dropout(x, self.c.dropout, training=True)
+
+    def loss(self, tokens, targets, masks=None):
+        F, c, p = self.t.nn.functional, self.c, self.p
+        b, t = tokens.shape
+        h, d = c.head_count, c.channels // c.head_count
+        x = p["token_embedding.weight"][tokens] + p["positional_embedding.table.weight"][:t]
+        for i in range(c.layer_count):
+            pre = f"blocks.{i}"
+            a = self.ln(x, f"{pre}.attention_norm").reshape(1, b * t, c.channels)
+            qkv = a @ p[f"{pre}.attention.qkv_weight"] + p[f"{pre}.attention.qkv_bias"].reshape(3, 1, c.channels)
+            q, k, v = (qkv[j].reshape(b, t, h, d).transpose(1, 2) for j in range(3))
+            scores = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(d))
+            scores = scores.masked_fill(self.causal[:t, :t], float("-inf"))
+            ctx = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, c.channels)
+            x = x + self.drop(F.linear(ctx, p[f"{pre}.attention.output.weight"],
+                                       p[f"{pre}.attention.output.bias"]), masks)
+            m = self.ln(x, f"{pre}.mlp_norm")
+            m = F.gelu(F.linear(m, p[f"{pre}.mlp_input.weight"], p[f"{pre}.mlp_input.bias"]), approximate="tanh")
+            x = x + self.drop(F.linear(m, p[f"{pre}.mlp_output.weight"], p[f"{pre}.mlp_output.bias"]), masks)
+        logits = F.linear(self.ln(x, "final_norm"), p["language_model_head.weight"],
+                          p.get("language_model_head.bias"))
+        return F.cross_entropy(logits.reshape(b * t, -1), targets.reshape(-1))
+
+    def step(self, tokens, targets, masks=None) -> float:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.loss(tokens, targets, masks)
+        loss.backward()
+        self.t.nn.utils.clip_grad_norm_(self.p.values(), CLIP)
+        self.optimizer.step()
+        return float(loss.detach())
+
+
+# == measurements =====================================================================================
+
+def batch_data(config, batch, seed=0):
+    rng = np.random.default_rng(seed)
+    t = config.context_length
+    return (rng.integers(0, config.vocab_size, (batch, t)).astype(np.int64),
+            rng.integers(0, config.vocab_size, (batch, t)).astype(np.int64))
+
+
+def matmul_peak(torch=None, repeats: int = 5) -> float:
+    """GFLOP/s of np.matmul on float32 2048^3 (best of `repeats`)."""
+    n = 2048
+    a = np.random.default_rng(0).standard_normal((n, n)).astype(np.float32)
+    out = np.empty_like(a)
+    np.matmul(a, a, out=out)
+    best = min(_timed(lambda: np.matmul(a, a, out=out)) for _ in range(repeats))
+    return 2 * n ** 3 / best / 1e9
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def loss_check(config, batch, torch) -> dict:
+    """Two steps of both frameworks from the same weights and the same dropout masks."""
+    gs = GraphlmStep(config, batch)
+    ts = TorchStep(config, gs.state, torch)
+    x, y = batch_data(config, batch)
+    xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+    shape = (batch, config.context_length, config.channels)
+    losses = []
+    for key in (11, 12):
+        masks = [torch.from_numpy(m) for m in gs.masks(key, shape)] if gs.uses_dropout else None
+        losses.append((gs.step(x, y, key), ts.step(xt, yt, masks)))
+    diffs = [abs(a - b) for a, b in losses]
+    return {"graphlm_losses": [a for a, _ in losses], "torch_losses": [b for _, b in losses],
+            "max_abs_diff": max(diffs), "ok": max(diffs) <= LOSS_TOLERANCE}
+
+
+def time_batch(config, batch, steps, warmup, torch, peak_gflops, gap: float) -> dict:
+    gs = GraphlmStep(config, batch)
+    ts = TorchStep(config, gs.state, torch)
+    x, y = batch_data(config, batch)
+    xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+    for s in range(warmup):
+        gs.step(x, y, 100 + s)
+        ts.step(xt, yt)
+    g_times, t_times = [], []
+    for s in range(steps):   # alternate, and alternate who goes first
+        pair = [("g", lambda: gs.step(x, y, 1000 + s)), ("t", lambda: ts.step(xt, yt))]
+        for who, fn in (pair if s % 2 == 0 else pair[::-1]):
+            time.sleep(gap)   # let the other framework's idle threads stop spinning first
+            (g_times if who == "g" else t_times).append(_timed(fn))
+    tokens = batch * config.context_length
+    flops = flops_per_token(config)["train_step"] * tokens
+    g_ms, t_ms = statistics.median(g_times) * 1e3, statistics.median(t_times) * 1e3
+    return {
+        "batch": batch, "tokens_per_step": tokens, "steps_timed": steps,
+        "graphlm_ms": round(g_ms, 2), "torch_ms": round(t_ms, 2),
+        "graphlm_min_ms": round(min(g_times) * 1e3, 2), "torch_min_ms": round(min(t_times) * 1e3, 2),
+        "graphlm_tokens_per_s": round(tokens / g_ms * 1e3, 1),
+        "torch_tokens_per_s": round(tokens / t_ms * 1e3, 1),
+        "ratio_graphlm_over_torch": round(g_ms / t_ms, 3),
+        "matmul_gflop_per_step": round(flops / 1e9, 3),
+        "matmul_lower_bound_ms": round(flops / peak_gflops / 1e6, 2),
+        "graphlm_mfu": round(flops / (g_ms / 1e3) / (peak_gflops * 1e9), 4),
+        "torch_mfu": round(flops / (t_ms / 1e3) / (peak_gflops * 1e9), 4),
+        "arena_mib": round(gs.program.plan.arena_bytes / 2 ** 20, 2),
+    }
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def memory_child(framework: str, batch: int, steps: int) -> dict:
+    """Runs in a subprocess: a few training steps of one framework; peak RSS in MiB."""
+    config = GPTConfig.preset("tinylm")
+    x, y = batch_data(config, batch)
+    if framework == "torch":
+        import torch
+        torch.set_num_threads(THREADS)
+        base = _rss_kib("VmRSS")
+        params = GPT(config).init(0)
+        ts = TorchStep(config, params, torch)
+        del params
+        xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+        for _ in range(steps):
+            ts.step(xt, yt)
+    else:
+        base = _rss_kib("VmRSS")
+        gs = GraphlmStep(config, batch)
+        for s in range(steps):
+            gs.step(x, y, s)
+    peak = _rss_kib("VmHWM")
+    return {"framework": framework, "batch": batch, "baseline_rss_mib": round(base / 1024, 1),
+            "peak_rss_mib": round(peak / 1024, 1), "peak_over_baseline_mib": round((peak - base) / 1024, 1)}
+
+
+def measure_memory(batch: int, threads: int) -> dict:
+    out = {}
+    for fw in ("graphlm", "torch"):
+        r = subprocess.run([sys.executable, __file__, "--child", fw, "--batches", str(batch),
+                            "--threads", str(threads)], capture_output=True, text=True, check=True)
+        out[fw] = json.loads(r.stdout.strip().splitlines()[-1])
+    return out
+
+
+# == profile ==========================================================================================
+
+def phase_of(node) -> str:
+    if (node.scope or "").startswith("optimizer"):
+        return "optimizer"
+    return "backward" if node.is_backward else "forward"
+
+
+def profile(config, batch: int, repeats: int) -> dict:
+    """Median seconds per (phase, op kind) over `repeats` profiled steps, after a warm-up."""
+    gs = GraphlmStep(config, batch)
+    x, y = batch_data(config, batch)
+    for s in range(2):
+        gs.step(x, y, s)
+    samples = collections.defaultdict(list)
+    for s in range(repeats):
+        acc = collections.defaultdict(float)
+        for node, sec in gs.program.profile(gs.feeds(x, y, 50 + s), gs.state):
+            acc[(phase_of(node), node.op)] += sec
+        for k, v in acc.items():
+            samples[k].append(v)
+    rows = sorted(((statistics.median(v), k) for k, v in samples.items()), reverse=True)
+    total = sum(r[0] for r in rows)
+    phases = collections.defaultdict(float)
+    for sec, (phase, _) in rows:
+        phases[phase] += sec
+    return {"batch": batch, "total_ms": round(total * 1e3, 2),
+            "phases_ms": {k: round(v * 1e3, 2) for k, v in phases.items()},
+            "ops_ms": [{"phase": p, "op": op, "ms": round(sec * 1e3, 2),
+                        "share": round(sec / total, 4)} for sec, (p, op) in rows]}
+
+
+def profile_table(prof: dict) -> str:
+    lines = [f"batch {prof['batch']}: {prof['total_ms']} ms in kernels; "
+             + ", ".join(f"{k} {v} ms" for k, v in prof["phases_ms"].items()),
+             "", "| phase | op | ms | share |", "|---|---|---|---|"]
+    for r in prof["ops_ms"]:
+        if r["share"] >= 0.005:
+            lines.append(f"| {r['phase']} | {r['op']} | {r['ms']} | {100 * r['share']:.1f}% |")
+    return "\n".join(lines)
+
+
+# == report ===========================================================================================
+
+def markdown(result: dict) -> str:
+    lines = [f"TinyLM training step, {result['threads']} thread(s), np.matmul 2048^3 peak "
+             f"{result['matmul_peak_gflops']} GFLOP/s, dropout {result['config']['dropout']}",
+             "",
+             "| batch | graphlm ms | torch ms | graphlm / torch | graphlm tok/s | torch tok/s "
+             "| graphlm MFU | torch MFU | matmul bound ms | graphlm peak MiB | torch peak MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        mem = result.get("memory", {}).get(str(r["batch"]), {})
+        gm = mem.get("graphlm", {}).get("peak_rss_mib", "-")
+        tm = mem.get("torch", {}).get("peak_rss_mib", "-")
+        lines.append(f"| {r['batch']} | {r['graphlm_ms']} | {r['torch_ms']} | {r['ratio_graphlm_over_torch']} "
+                     f"| {r['graphlm_tokens_per_s']} | {r['torch_tokens_per_s']} | {100 * r['graphlm_mfu']:.1f}% "
+                     f"| {100 * r['torch_mfu']:.1f}% | {r['matmul_lower_bound_ms']} | {gm} | {tm} |")
+    chk = result["loss_check"]
+    lines += ["", f"first two losses (same weights, same dropout masks): graphlm {chk['graphlm_losses']}, "
+              f"torch {chk['torch_losses']}, max |diff| {chk['max_abs_diff']:.2e} "
+              f"({'ok' if chk['ok'] else 'MISMATCH'}, tolerance {LOSS_TOLERANCE})"]
+    return "\n".join(lines)
+
+
+THREADS = 1
+
+
+def main(argv=None) -> int:
+    global THREADS
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--steps", type=int, default=15, help="timed steps per framework and batch")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="BLAS threads (graphlm) and torch threads (default 1: on the shared 2-core "
+                         "machine 2 threads thrash for both frameworks)")
+    ap.add_argument("--gap", type=float, default=0.25,
+                    help="seconds of sleep before each timed step: OpenBLAS's and torch's idle "
+                         "threads spin for a while after a call and would steal the other's cores")
+    ap.add_argument("--quick", action="store_true", help="batches 1 and 8, 4 timed steps, no memory")
+    ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    ap.add_argument("--profile", action="store_true", help="print graphlm's time per op kind instead")
+    ap.add_argument("--json", default="benchmarks/train_step.json", help="JSON output ('-': stdout)")
+    ap.add_argument("--markdown", help="also write the markdown table here")
+    ap.add_argument("--child", choices=["graphlm", "torch"], help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    THREADS = args.threads
+    set_blas_threads(args.threads)
+    config = GPTConfig.preset("tinylm")
+
+    if args.child:
+        print(json.dumps(memory_child(args.child, args.batches[0], 3)))
+        return 0
+    if args.profile:
+        for b in args.batches if not args.quick else [8]:
+            prof = profile(config, b, 3 if args.quick else 7)
+            print(profile_table(prof))
+            print(json.dumps(prof))
+        return 0
+    if args.quick:
+        args.batches, args.steps, args.warmup, args.no_memory = [1, 8], 4, 1, True
+
+    import torch
+    torch.set_num_threads(args.threads)
+    peak = matmul_peak()
+    check = loss_check(config, min(args.batches), torch)
+    rows = [time_batch(config, b, args.steps, args.warmup, torch, peak, args.gap) for b in args.batches]
+    result = {"benchmark": "train_step", "config": config.to_dict(), "threads": args.threads,
+              "gap_s": args.gap,
+              "matmul_peak_gflops": round(peak, 1), "loss_check": check, "rows": rows,
+              "peak_memory_method": "peak RSS (VmHWM) of a subprocess per framework and batch, 3 steps",
+              "machine": {"python": platform.python_version(), "numpy": np.__version__,
+                          "torch": torch.__version__}}
+    if not args.no_memory:
+        result["memory"] = {str(b): measure_memory(b, args.threads) for b in args.batches}
+    md = markdown(result)
+    print(md)
+    text = json.dumps(result, indent=2)
+    if args.json == "-":
+        print(text)
+    else:
+        Path(args.json).write_text(text + "\n")
+        print(f"wrote {args.json}")
+    if args.markdown:
+        Path(args.markdown).write_text(md + "\n")
+    return 0 if check["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
