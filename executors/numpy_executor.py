@@ -36,7 +36,7 @@ from typing import Callable, Sequence
 import numpy as np
 from scipy import special
 
-from graphlm.random import dropout_keep_scale
+from graphlm.random import GOLDEN, MASK64, MIX1, MIX2, dropout_keep_scale, stream_base
 from graphlm.registry import REGISTRY
 
 from . import reference
@@ -647,15 +647,93 @@ def _causal_mask(node, out, ins, scratch):
     return run
 
 
+class _MaskSlot:
+    """The keep mask shared by the dropout nodes of one (key, stream, p, shape): drawn once per
+    run by the first of them (the forward), read by the others (the backward)."""
+
+    def __init__(self):
+        self.mask: np.ndarray | None = None
+
+
+def share_dropout_masks(nodes):
+    """Replace every ``dropout`` node by a ``dropout_shared`` node: nodes with the same key input,
+    stream, p, shape and dtype (a forward dropout and its backward) share one boolean mask, drawn
+    by the first of them in run order. Returns the new node list."""
+    slots: dict[tuple, _MaskSlot] = {}
+    out = []
+    for n in nodes:
+        if n.op != "dropout":
+            out.append(n)
+            continue
+        key = (n.inputs[1].id, n.attrs["stream"], n.attrs["p"], n.shape, n.dtype.str)
+        draw = key not in slots
+        slot = slots.setdefault(key, _MaskSlot())
+        out.append(FusedNode(n, "dropout_shared", n.inputs, {**n.attrs, "slot": slot, "draw": draw}))
+    return out
+
+
+_MASK_CHUNK = 1 << 15   # elements per pass when drawing a mask (uint64 temporaries stay in cache)
+
+
+def keep_mask_drawer(shape, stream: int, p: float):
+    """A function ``draw(key, mask)`` filling the boolean `mask` (of `shape`) with exactly
+    ``graphlm.random.counter_uniform(key, stream, shape) >= float32(p)``, in cache-sized chunks
+    with preallocated temporaries (nothing allocated per call).
+
+    ``u = (mix64(base + (i+1)*golden) >> 40) * 2^-24 >= p`` is the integer test
+    ``mix64(...) >= ceil(float32(p) * 2^24) << 40`` (u is k * 2^-24 exactly, k < 2^24)."""
+    n = int(np.prod(shape, dtype=np.int64))
+    c = min(n, _MASK_CHUNK)
+    with np.errstate(over="ignore"):
+        steps = np.arange(1, c + 1, dtype=np.uint64) * np.uint64(GOLDEN)
+    z, t = np.empty(c, np.uint64), np.empty(c, np.uint64)
+    threshold = np.uint64(math.ceil(float(np.float32(p)) * 2 ** 24) << 40)
+    m1, m2 = np.uint64(MIX1), np.uint64(MIX2)
+    s30, s27, s31 = np.uint64(30), np.uint64(27), np.uint64(31)
+
+    def draw(key: int, mask: np.ndarray) -> None:
+        flat = mask.reshape(-1)
+        base = stream_base(key, stream)
+        for start in range(0, n, c):
+            k = min(c, n - start)
+            zk, tk = z[:k], t[:k]
+            np.add(steps[:k], np.uint64((base + start * GOLDEN) & MASK64), out=zk)
+            np.right_shift(zk, s30, out=tk)
+            np.bitwise_xor(zk, tk, out=zk)
+            np.multiply(zk, m1, out=zk)
+            np.right_shift(zk, s27, out=tk)
+            np.bitwise_xor(zk, tk, out=zk)
+            np.multiply(zk, m2, out=zk)
+            np.right_shift(zk, s31, out=tk)
+            np.bitwise_xor(zk, tk, out=zk)
+            np.greater_equal(zk, threshold, out=flat[start:start + k])
+    return draw
+
+
+@kernel("dropout_shared", inplace=(0,))
+def _dropout_shared(node, out, ins, scratch):
+    x, key = ins
+    a = node.attrs
+    slot = a["slot"]
+    scale = np.asarray(1.0 / (1.0 - a["p"]), dtype=node.dtype)
+    if a["draw"]:
+        slot.mask = np.empty(node.shape, bool)   # program-owned, made once at bind time
+        draw = keep_mask_drawer(node.shape, a["stream"], a["p"])
+    mask = slot.mask
+
+    def run():  # x * keep * scale == x * (keep * scale) bit for bit (keep is 0 or 1)
+        if a["draw"]:
+            draw(int(key), mask)
+        np.multiply(x, mask, out=out)
+        np.multiply(out, scale, out=out)
+    return run
+
+
 @kernel("dropout", inplace=(0,))
 def _dropout(node, out, ins, scratch):
-    # TODO(issue 7): draw the mask into arena scratch instead of allocating it per run.
-    x, key = ins
-    stream, p = node.attrs["stream"], node.attrs["p"]
-
-    def run():
-        np.multiply(x, dropout_keep_scale(int(key), stream, x.shape, p, x.dtype), out=out)
-    return run
+    """A dropout node compiled on its own (share_dropout_masks normally replaces it)."""
+    attrs = {**node.attrs, "slot": _MaskSlot(), "draw": True}
+    return _dropout_shared(FusedNode(node, "dropout_shared", node.inputs, attrs), out, ins, scratch)
 
 
 @kernel("dropout_mask")
@@ -711,6 +789,7 @@ class NumpyProgram(Program):
         super().__init__(graph, outputs, set(KERNELS) | set(reference.KERNELS))
         protos = layouts(self.nodes)[0]
         self.run_nodes, fused = fuse_matmul_sums(self.nodes, self.outputs, protos)
+        self.run_nodes = share_dropout_masks(self.run_nodes)
         self.plan: Plan = make_plan(self.run_nodes, self.outputs, _inplace_positions, _scratch, fused)
         raw = np.empty(self.plan.arena_bytes + ALIGN, dtype=np.uint8)
         start = (-raw.__array_interface__["data"][0]) % ALIGN
