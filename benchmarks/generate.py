@@ -1,0 +1,192 @@
+"""Sampling speed at batch 1: graphlm (numpy executor) vs PyTorch eager, with and without a KV cache,
+on the same TinyLM weights. Prints a table and writes JSON (``--json PATH``, default stdout only).
+
+    python benchmarks/generate.py [--checkpoint runs/tinylm/checkpoint.safetensors]
+        [--prompt-length 16] [--new-tokens 100] [--threads 1] [--repeats 3]
+
+Both frameworks decode greedily from the same prompt; the script checks that they choose the
+same tokens (so both do the same work) before it reports. "KV cache" is per-token decode after
+the prompt's prefill; "no cache" recomputes the forward over the whole sequence for each token
+(graphlm: one static program over a [1, T] window read at the last real position, which the
+causal mask makes exact; PyTorch: the growing sequence).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import executors  # noqa: E402,F401  (registers the executors)
+from graphlm.backends import get_executor  # noqa: E402
+from graphlm.ir import Graph  # noqa: E402
+from graphlm.models import GPT, GPTConfig  # noqa: E402
+from graphlm.sample import Generator  # noqa: E402
+
+
+# -- PyTorch eager: the same model, with a KV cache ------------------------------------------------
+class TorchGPT:
+    def __init__(self, config: GPTConfig, params: dict, torch):
+        self.t, self.c = torch, config
+        self.p = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in params.items()}
+
+    def ln(self, x, name):
+        F = self.t.nn.functional
+        return F.layer_norm(x, (self.c.channels,), self.p[f"{name}.weight"], self.p[f"{name}.bias"],
+                            self.c.layer_norm_epsilon)
+
+    def forward(self, tokens, start: int, cache: list | None):
+        """tokens [1, L] at positions start..start+L-1; cache: per block [k, v] or None."""
+        torch, F, c, p = self.t, self.t.nn.functional, self.c, self.p
+        b, length = tokens.shape
+        h, d = c.head_count, c.channels // c.head_count
+        x = p["token_embedding.weight"][tokens] + p["positional_embedding.table.weight"][start:start + length]
+        for i in range(c.layer_count):
+            pre = f"blocks.{i}"
+            a = self.ln(x, f"{pre}.attention_norm")
+            w, bias = p[f"{pre}.attention.qkv_weight"], p[f"{pre}.attention.qkv_bias"]
+            q, k, v = ((a @ w[j] + bias[j]).view(b, length, h, d).transpose(1, 2) for j in range(3))
+            if cache is not None:
+                if cache[i] is not None:
+                    k = torch.cat([cache[i][0], k], dim=2)
+                    v = torch.cat([cache[i][1], v], dim=2)
+                cache[i] = [k, v]
+            scores = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(d))
+            if length > 1:
+                total = k.shape[2]
+                mask = torch.ones(length, total, dtype=torch.bool).tril(total - length)
+                scores = scores.masked_fill(~mask, float("-inf"))
+            ctx = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, length, c.channels)
+            x = x + F.linear(ctx, p[f"{pre}.attention.output.weight"], p[f"{pre}.attention.output.bias"])
+            m = self.ln(x, f"{pre}.mlp_norm")
+            m = F.gelu(F.linear(m, p[f"{pre}.mlp_input.weight"], p[f"{pre}.mlp_input.bias"]), approximate="tanh")
+            x = x + F.linear(m, p[f"{pre}.mlp_output.weight"], p[f"{pre}.mlp_output.bias"])
+        x = self.ln(x[:, -1:], "final_norm")
+        return F.linear(x, p["language_model_head.weight"], p.get("language_model_head.bias"))[:, -1]
+
+
+def torch_decode(tm, torch, prompt, n, cached: bool):
+    seq = list(prompt)
+    times = []
+    with torch.no_grad():
+        cache = [None] * tm.c.layer_count if cached else None
+        logits = tm.forward(torch.tensor([seq]), 0, cache)
+        for _ in range(n):
+            seq.append(int(logits.argmax(-1)))
+            t0 = time.perf_counter()
+            if cached:
+                logits = tm.forward(torch.tensor([[seq[-1]]]), len(seq) - 1, cache)
+            else:
+                logits = tm.forward(torch.tensor([seq]), 0, None)
+            times.append(time.perf_counter() - t0)
+    return seq[len(prompt):], times
+
+
+# -- graphlm ----------------------------------------------------------------------------------------
+def graphlm_cached(model, params, prompt, n):
+    gen = Generator(model, params, executor="numpy")
+    seq = list(prompt)
+    times = []
+    logits = gen.prefill(np.asarray([seq]))
+    for _ in range(n):
+        seq.append(int(np.argmax(logits[0])))
+        t0 = time.perf_counter()
+        logits = gen.decode(np.asarray([seq[-1]]))
+        times.append(time.perf_counter() - t0)
+    return seq[len(prompt):], times
+
+
+def graphlm_no_cache(model, params, prompt, n):
+    t = model.config.context_length
+    model.eval()
+    g = Graph("forward_window")
+    logits_node = model(g.input("tokens", (1, t), np.int64))
+    prog = get_executor("numpy").compile(g, [logits_node])
+    window = np.zeros((1, t), np.int64)
+    seq = list(prompt)
+    window[0, :len(seq)] = seq
+    logits = prog.run({"tokens": window}, params)[0][0, len(seq) - 1]
+    times = []
+    for _ in range(n):
+        seq.append(int(np.argmax(logits)))
+        window[0, len(seq) - 1] = seq[-1]
+        t0 = time.perf_counter()
+        logits = prog.run({"tokens": window}, params)[0][0, len(seq) - 1]
+        times.append(time.perf_counter() - t0)
+    return seq[len(prompt):], times
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--checkpoint", help="weights from a training checkpoint (default: TinyLM init, seed 0)")
+    ap.add_argument("--prompt-length", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=100)
+    ap.add_argument("--threads", type=int, default=1, help="BLAS / torch threads (default 1)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per variant; the median per-token time is kept")
+    ap.add_argument("--json", help="also write the results to this file")
+    args = ap.parse_args(argv)
+
+    import torch
+    from tools.train_cli import set_blas_threads
+    set_blas_threads(args.threads)
+    torch.set_num_threads(args.threads)
+
+    if args.checkpoint:
+        from graphlm.io.checkpoint import read_checkpoint
+        ck = read_checkpoint(args.checkpoint)
+        config = GPTConfig.from_dict(ck.config)
+        model = GPT(config)
+        params = {k: ck.tensors[k] for k in model.parameters()}
+    else:
+        config = GPTConfig.preset("tinylm")
+        model = GPT(config)
+        params = model.init(0)
+    if args.prompt_length + args.new_tokens > config.context_length:
+        ap.error(f"prompt + new tokens must fit the context ({config.context_length})")
+    prompt = list(np.random.default_rng(0).integers(32, 127, args.prompt_length))
+    tm = TorchGPT(config, params, torch)
+
+    variants = {
+        "graphlm_kv_cache": lambda: graphlm_cached(model, params, prompt, args.new_tokens),
+        "torch_kv_cache": lambda: torch_decode(tm, torch, prompt, args.new_tokens, True),
+        "graphlm_no_cache": lambda: graphlm_no_cache(model, params, prompt, args.new_tokens),
+        "torch_no_cache": lambda: torch_decode(tm, torch, prompt, args.new_tokens, False),
+    }
+    tokens, per_token = {}, {k: [] for k in variants}
+    for _ in range(args.repeats):             # alternate the variants so load hits them alike
+        for name, fn in variants.items():
+            toks, times = fn()
+            tokens[name] = toks
+            per_token[name].append(statistics.median(times))
+    agree = {k: tokens[k] == tokens["torch_kv_cache"] for k in tokens}
+    result = {"config": config.to_dict(), "prompt_length": args.prompt_length,
+              "new_tokens": args.new_tokens, "threads": args.threads, "repeats": args.repeats,
+              "same_greedy_tokens_as_torch": agree, "variants": {}}
+    for name in variants:
+        ms = statistics.median(per_token[name]) * 1e3
+        result["variants"][name] = {"ms_per_token": round(ms, 3), "tokens_per_s": round(1e3 / ms, 1)}
+    v = result["variants"]
+    result["speedup_kv_cache_vs_torch"] = round(v["graphlm_kv_cache"]["tokens_per_s"] / v["torch_kv_cache"]["tokens_per_s"], 3)
+    result["speedup_no_cache_vs_torch"] = round(v["graphlm_no_cache"]["tokens_per_s"] / v["torch_no_cache"]["tokens_per_s"], 3)
+
+    print(f"{'variant':<20} {'ms/token':>9} {'tokens/s':>9}  same tokens as torch")
+    for name, r in v.items():
+        print(f"{name:<20} {r['ms_per_token']:>9.3f} {r['tokens_per_s']:>9.1f}  {agree[name]}")
+    print(f"graphlm / torch tokens/s: KV cache {result['speedup_kv_cache_vs_torch']}x, "
+          f"no cache {result['speedup_no_cache_vs_torch']}x")
+    print(json.dumps(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
