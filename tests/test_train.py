@@ -4,7 +4,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -74,11 +73,6 @@ def test_programs_share_one_state_and_dropout_is_keyed_by_seed_and_step(small_te
     for _ in range(5):
         tr.train_step()
     assert tr.evaluate() != before
-
-
-def train(args, capsys=None):
-    code = cli_main(["train", *args])
-    return code
 
 
 def test_resume_is_bit_exact(tmp_path, small_text):
