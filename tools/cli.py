@@ -298,7 +298,6 @@ def _delegated(module: str, what: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    fmt = argparse.ArgumentDefaultsHelpFormatter
     parser = argparse.ArgumentParser(
         prog="graphlm", description="graphlm: draw, count, plan, train and sample GPT-style "
         "models built as static graphs.",
@@ -358,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, module, help_text in (("train", "train_cli", "train a model (tiny Shakespeare by default)"),
                                     ("generate", "generate_cli", "sample text from a checkpoint")):
         mod = _delegated(module, name)
-        p = sub.add_parser(name, help=help_text, formatter_class=fmt)
+        p = sub.add_parser(name, help=help_text)  # their help texts state the defaults
         if mod is None:
             p.set_defaults(func=_unavailable(name, module))
         else:
