@@ -28,13 +28,9 @@ TINYLM = dict(vocab_size=256, context_length=128, channels=192, head_count=6, la
 def training_step(batch: int, seed: int = 0):
     cfg = GPTConfig(**TINYLM)
     model = GPT(cfg)
-    g = gl.Graph(f"tinylm_train_b{batch}")
+    g, loss = model.loss_graph(batch, name=f"tinylm_train_b{batch}")
     t = cfg.context_length
-    tokens = g.input("tokens", (batch, t), "int64")
-    targets = g.input("targets", (batch, t), "int64")
-    loss = model.loss(tokens, targets)
-    names = list(g.params)
-    outputs = [loss] + gl.grad(loss, [g.params[n] for n in names])
+    outputs = [loss] + gl.grad(loss, list(g.params.values()))
     rng = np.random.default_rng(seed)
     feeds = {"tokens": rng.integers(0, cfg.vocab_size, (batch, t)),
              "targets": rng.integers(0, cfg.vocab_size, (batch, t))}

@@ -176,11 +176,8 @@ def gpt_step(batch, config=None, seed=0):
 
     cfg = config or GPTConfig(vocab_size=11, context_length=8, channels=16, head_count=2, layer_count=2)
     model = GPT(cfg)
-    g = gl.Graph("gpt_step")
+    g, loss = model.loss_graph(batch, name="gpt_step")
     t = cfg.context_length
-    tokens = g.input("tokens", (batch, t), "int64")
-    targets = g.input("targets", (batch, t), "int64")
-    loss = model.loss(tokens, targets)
     names = list(g.params)
     outputs = [loss] + gl.grad(loss, [g.params[n] for n in names])
     rng = np.random.default_rng(seed)

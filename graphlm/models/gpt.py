@@ -152,6 +152,15 @@ class GPT(nn.Module):
         b, t, v = logits.shape
         return ops.cross_entropy(ops.reshape(logits, (b * t, v)), ops.reshape(targets, (b * t,)))
 
+    def loss_graph(self, batch_size: int, seq_len: int | None = None,
+                   name: str = "gpt_loss") -> tuple[Graph, Tensor]:
+        """A new graph with int64 inputs ``tokens`` and ``targets`` ``[B, T]`` and the model's
+        mean loss node, built in the model's current mode (T defaults to context_length)."""
+        t = self.config.context_length if seq_len is None else int(seq_len)
+        g = Graph(name)
+        tokens = g.input("tokens", (batch_size, t), "int64")
+        return g, self.loss(tokens, g.input("targets", (batch_size, t), "int64"))
+
     # -- conveniences that run a graph --------------------------------------------------------------
     def validate_tokens(self, tokens, what: str = "tokens") -> np.ndarray:
         """Check a ``[B, T]`` integer array of ids in ``[0, V)`` with T <= context_length;
@@ -182,14 +191,12 @@ class GPT(nn.Module):
             modes = [(m, m.training) for _, m in self.named_modules()]
             self.eval()
             try:
-                g = Graph(f"gpt_{kind}")
-                tokens = g.input("tokens", shape, "int64")
                 if kind == "logits":
-                    outputs = [self(tokens)]
+                    g = Graph("gpt_logits")
+                    outputs = [self(g.input("tokens", shape, "int64"))]
                 else:
-                    loss = self.loss(tokens, g.input("targets", shape, "int64"))
-                    names = list(g.params)
-                    outputs = [loss] + grad(loss, [g.params[n] for n in names])
+                    g, loss = self.loss_graph(*shape, name="gpt_loss_and_grads")
+                    outputs = [loss] + grad(loss, list(g.params.values()))
             finally:
                 for m, mode in modes:
                     object.__setattr__(m, "training", mode)
