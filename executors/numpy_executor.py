@@ -232,6 +232,87 @@ def _gelu_backward(node, out, ins, scratch):
     return run_erf
 
 
+class _SavedTanh:
+    """tanh(C*(x + K*x^3)) of one float32 GELU's input, written by the forward kernel and read
+    by the backward kernels of the same input (program-owned, made once at bind time)."""
+
+    def __init__(self):
+        self.t: np.ndarray | None = None
+
+
+def pair_gelu_backward(nodes):
+    """Let each float32 tanh-GELU whose input also feeds a ``gelu_backward`` keep its tanh for
+    that backward: ``gelu`` -> ``gelu_keep_tanh``, ``gelu_backward`` -> ``gelu_backward_tanh``
+    (no tanh recomputed, 11 passes instead of 17). Returns the new node list."""
+    forward = {}
+    for k, n in enumerate(nodes):
+        if n.op == "gelu" and n.attrs["approximate"] == "tanh" and n.dtype == np.float32:
+            forward.setdefault(n.inputs[0].id, (k, n))
+    pairs = {}
+    for k, n in enumerate(nodes):
+        if n.op == "gelu_backward" and n.attrs["approximate"] == "tanh" and n.inputs[0].id in forward:
+            fk, f = forward[n.inputs[0].id]
+            if fk < k and n.dtype == np.float32:
+                pairs.setdefault(f.id, []).append(n.id)
+    if not pairs:
+        return list(nodes)
+    slots = {fid: _SavedTanh() for fid in pairs}
+    slot_of = {bid: slots[fid] for fid, bids in pairs.items() for bid in bids}
+    out = []
+    for n in nodes:
+        if n.id in slots:
+            n = FusedNode(n, "gelu_keep_tanh", n.inputs, {**n.attrs, "slot": slots[n.id]})
+        elif n.id in slot_of:
+            n = FusedNode(n, "gelu_backward_tanh", n.inputs, {**n.attrs, "slot": slot_of[n.id]})
+        out.append(n)
+    return out
+
+
+@kernel("gelu_keep_tanh")
+def _gelu_keep_tanh(node, out, ins, scratch):
+    (x,) = ins
+    slot = node.attrs["slot"]
+    slot.t = t = np.empty(node.shape, node.dtype)
+    dt = node.dtype
+    half, one, c, k = _s(0.5, dt), _s(1.0, dt), _s(GELU_C, dt), _s(GELU_K, dt)
+
+    def run():  # the gelu kernel's arithmetic, with the tanh kept in t
+        np.multiply(k, x, out=out)
+        np.multiply(out, x, out=out)
+        np.multiply(out, x, out=out)
+        np.add(x, out, out=out)
+        np.multiply(c, out, out=out)
+        np.tanh(out, out=t)
+        np.add(one, t, out=out)
+        np.multiply(out, x, out=out)
+        np.multiply(out, half, out=out)
+    return run
+
+
+@kernel("gelu_backward_tanh", scratch=lambda node, pos: [(node.shape, node.dtype)])
+def _gelu_backward_tanh(node, out, ins, scratch):
+    x, g = ins
+    (a,), slot = scratch, node.attrs["slot"]
+    dt = node.dtype
+    half, one = _s(0.5, dt), _s(1.0, dt)
+    c1, c3 = _s(0.5 * GELU_C, dt), _s(1.5 * GELU_C * GELU_K, dt)
+
+    def run():  # g * (0.5*(1 + t) + x*(0.5*C + 1.5*C*K*x*x)*(1 - t*t))
+        t = slot.t
+        np.multiply(x, x, out=a)
+        np.multiply(a, c3, out=a)
+        np.add(a, c1, out=a)
+        np.multiply(a, x, out=a)
+        np.multiply(t, t, out=out)
+        np.subtract(one, out, out=out)
+        np.multiply(a, out, out=a)
+        np.multiply(t, half, out=out)
+        np.add(out, half, out=out)
+        np.add(out, a, out=out)
+        np.multiply(g, out, out=out)
+    return run
+
+
 # == reductions =====================================================================================
 
 for _name, _fn in {"sum": np.sum, "mean": np.mean, "max": np.max}.items():
@@ -789,7 +870,7 @@ class NumpyProgram(Program):
         super().__init__(graph, outputs, set(KERNELS) | set(reference.KERNELS))
         protos = layouts(self.nodes)[0]
         self.run_nodes, fused = fuse_matmul_sums(self.nodes, self.outputs, protos)
-        self.run_nodes = share_dropout_masks(self.run_nodes)
+        self.run_nodes = pair_gelu_backward(share_dropout_masks(self.run_nodes))
         self.plan: Plan = make_plan(self.run_nodes, self.outputs, _inplace_positions, _scratch, fused)
         raw = np.empty(self.plan.arena_bytes + ALIGN, dtype=np.uint8)
         start = (-raw.__array_interface__["data"][0]) % ALIGN

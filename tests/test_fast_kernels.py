@@ -55,3 +55,29 @@ def test_dropout_forward_and_backward_share_one_mask_and_match_reference(dtype):
         got, want = run_both(g, [y, dx], feeds)
         for a, b in zip(got, want):
             np.testing.assert_array_equal(a, b)
+
+
+# -- GELU: the backward reads the forward's tanh -------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_gelu_backward_reuses_the_forward_tanh_float32_only(dtype):
+    g = gl.Graph("gelu")
+    x = g.input("x", (6, 50), dtype)
+    w = g.param("w", (50, 50), dtype)
+    h = x @ w
+    y = gl.gelu(h)
+    loss = gl.sum(y * y * 0.5)
+    gx, gw = gl.grad(loss, [x, w])
+    prog = NUMPY.compile(g, [y, gx, gw])
+    ops = {n.op for n in prog.run_nodes}
+    assert ("gelu_keep_tanh" in ops and "gelu_backward_tanh" in ops) == (dtype == "float32")
+    rng = np.random.default_rng(1)
+    xv = (rng.standard_normal((6, 50)) * 3).astype(dtype)
+    state = {"w": rng.standard_normal((50, 50)).astype(dtype) * 0.3}
+    for scale in (1.0, 0.5):   # a second run with other data uses that run's tanh
+        got, want = run_both(g, [y, gx, gw], {"x": xv * scale}, state)
+        for a, b in zip(got, want):
+            if dtype == "float64":
+                np.testing.assert_array_equal(a, b)
+            else:
+                assert_close(a, b, 1e-6, 1e-6)
