@@ -990,25 +990,40 @@ class NumpyExecutor:
 
 
 # == optimizer updates (graphlm/ops.py "optimizer ops"; owned with graphlm.optim) =====================
-# The same arithmetic as the reference kernels, in the same order (bit-identical results), but in
-# place over two scratch buffers of the largest parameter's size: nothing is allocated per run.
+# The same arithmetic as the reference kernels, in the same order (bit-identical results), in
+# place. AdamW walks every parameter in cache-sized chunks and does all its passes on a chunk
+# while it is in cache (one trip through memory instead of a dozen); two chunk-sized scratch
+# buffers hold the temporaries, so nothing is allocated per run.
 
-def _largest_param(node, first: int, group: int):
-    return max(t.size for t in node.inputs[first::group])
+_ADAMW_CHUNK = 1 << 15
 
 
 def _adamw_scratch(node, pos):
-    n = _largest_param(node, 3, 4)
+    n = min(max(t.size for t in node.inputs[3::4]), _ADAMW_CHUNK)
     return [((n,), node.inputs[3].dtype), ((n,), node.inputs[3].dtype)]
+
+
+def _flat_or_none(*arrays):
+    flats = [_flat(a, (-1,)) for a in arrays]
+    return None if any(f is None for f in flats) else flats
 
 
 @kernel("adamw_update", scratch=_adamw_scratch)
 def _adamw_update(node, out, ins, scratch):
     lr_a, step_a, coef_a = ins[:3]
-    groups = [tuple(ins[3 + 4 * k: 7 + 4 * k]) for k in range(len(node.attrs["weight_decay"]))]
     a = node.attrs
     b1, b2, eps = a["beta1"], a["beta2"], a["eps"]
     buf1, buf2 = scratch
+    pieces = []   # (p, grad, m, v, weight decay, dtype): 1-d chunks, or whole arrays if not flat
+    for k, wd in enumerate(a["weight_decay"]):
+        p, grad, m, v = ins[3 + 4 * k: 7 + 4 * k]
+        flats = _flat_or_none(p, grad, m, v)
+        if flats is None:
+            pieces.append((p, grad, m, v, wd, p.dtype, None))
+            continue
+        for s0 in range(0, p.size, _ADAMW_CHUNK):
+            sl = slice(s0, min(p.size, s0 + _ADAMW_CHUNK))
+            pieces.append(tuple(f[sl] for f in flats) + (wd, p.dtype, sl.stop - sl.start))
 
     def run():
         t = int(step_a)
@@ -1017,24 +1032,32 @@ def _adamw_update(node, out, ins, scratch):
         lr = float(lr_a)
         step_size = lr / (1.0 - b1 ** t)
         bc2_sqrt = math.sqrt(1.0 - b2 ** t)
-        for (p, grad, m, v), wd in zip(groups, a["weight_decay"]):
-            dt = p.dtype
-            g = buf1[:p.size].reshape(p.shape)
-            tmp = buf2[:p.size].reshape(p.shape)
-            np.multiply(grad, coef_a.astype(dt), out=g)
+        consts = {}
+        for p, grad, m, v, wd, dt, n in pieces:
+            c = consts.get((dt, wd))
+            if c is None:
+                c = consts[(dt, wd)] = (
+                    coef_a.astype(dt), _s(1.0 - lr * wd, dt), _s(b1, dt), _s(1.0 - b1, dt),
+                    _s(b2, dt), _s(1.0 - b2, dt), _s(bc2_sqrt, dt), _s(eps, dt), _s(step_size, dt))
+            coef, decay, sb1, cb1, sb2, cb2, sbc2, seps, sstep = c
+            if n is None:   # not flat-able: whole-array temporaries (allocates)
+                g, tmp = np.empty(p.shape, dt), np.empty(p.shape, dt)
+            else:
+                g, tmp = buf1[:n], buf2[:n]
+            np.multiply(grad, coef, out=g)
             if wd:
-                p *= _s(1.0 - lr * wd, dt)
-            m *= _s(b1, dt)
-            np.multiply(_s(1.0 - b1, dt), g, out=tmp)
+                p *= decay
+            m *= sb1
+            np.multiply(cb1, g, out=tmp)
             m += tmp
-            v *= _s(b2, dt)
-            np.multiply(_s(1.0 - b2, dt), g, out=tmp)
+            v *= sb2
+            np.multiply(cb2, g, out=tmp)
             tmp *= g
             v += tmp
             np.sqrt(v, out=tmp)
-            tmp /= _s(bc2_sqrt, dt)
-            tmp += _s(eps, dt)
-            np.multiply(_s(step_size, dt), m, out=g)
+            tmp /= sbc2
+            tmp += seps
+            np.multiply(sstep, m, out=g)
             g /= tmp
             p -= g
         out[...] = 0.0
