@@ -83,6 +83,32 @@ def _flat(arr: np.ndarray, shape) -> np.ndarray | None:
         return None
 
 
+BLOCK = 1 << 16   # elements per cache block (256 KiB of float32)
+
+
+def _blocked(body, arrays, rows: int | None = None):
+    """A closure running ``body(*views)`` block by block over `arrays`, so that all the passes of
+    a multi-pass kernel run on data still in cache (the same arithmetic per element and per row).
+
+    rows None: elementwise, all arrays have the same size and are cut as 1-d blocks.
+    rows R: each array viewed as (R, -1) (full arrays and keepdims row arrays alike) and cut by
+    rows, for reductions along the last axis. Where an array cannot be viewed so (strided
+    data), `body` runs once on the whole arrays."""
+    if rows is None:
+        views, total, per = [_flat(a, (-1,)) for a in arrays], arrays[0].size, BLOCK
+    else:
+        views, total = [_flat(a, (rows, -1)) for a in arrays], rows
+        per = max(1, BLOCK // max(1, arrays[0].size // max(rows, 1)))
+    if total <= per or any(v is None for v in views):
+        return functools.partial(body, *arrays)
+    blocks = [tuple(v[s:s + per] for v in views) for s in range(0, total, per)]
+
+    def run():
+        for block in blocks:
+            body(*block)
+    return run
+
+
 # == elementwise ===================================================================================
 
 def _ufunc_kernel(fn):
@@ -152,7 +178,7 @@ def _gelu(node, out, ins, scratch):
     if node.attrs["approximate"] == "tanh":
         c, k = _s(GELU_C, dt), _s(GELU_K, dt)
 
-        def run():  # 0.5*x*(1 + tanh(C*(x + K*x*x*x)))
+        def body(x, out):  # 0.5*x*(1 + tanh(C*(x + K*x*x*x)))
             np.multiply(k, x, out=out)
             np.multiply(out, x, out=out)
             np.multiply(out, x, out=out)
@@ -162,7 +188,7 @@ def _gelu(node, out, ins, scratch):
             np.add(one, out, out=out)
             np.multiply(out, x, out=out)    # (0.5*x)*t == (x*t)*0.5 exactly
             np.multiply(out, half, out=out)
-        return run
+        return _blocked(body, [x, out])
     r2 = _s(1 / math.sqrt(2.0), dt)
 
     def run_erf():  # 0.5*x*(1 + erf(x/sqrt(2)))
@@ -188,7 +214,7 @@ def _gelu_backward(node, out, ins, scratch):
         t, b = scratch
         c, k, k3 = _s(GELU_C, dt), _s(GELU_K, dt), _s(3 * GELU_K, dt)
 
-        def run():
+        def body(x, g, out, t, b):
             # t = tanh(C*(x + K*x*x*x))
             np.multiply(k, x, out=t)
             np.multiply(t, x, out=t)
@@ -212,7 +238,7 @@ def _gelu_backward(node, out, ins, scratch):
             np.multiply(b, out, out=b)
             np.add(t, b, out=t)
             np.multiply(g, t, out=out)
-        return run
+        return _blocked(body, [x, g, out, t, b])
     (a,) = scratch
     r2, c2, mhalf = _s(1 / math.sqrt(2.0), dt), _s(1 / math.sqrt(2 * math.pi), dt), _s(-0.5, dt)
 
@@ -277,7 +303,7 @@ def _gelu_keep_tanh(node, out, ins, scratch):
     dt = node.dtype
     half, one, c, k = _s(0.5, dt), _s(1.0, dt), _s(GELU_C, dt), _s(GELU_K, dt)
 
-    def run():  # the gelu kernel's arithmetic, with the tanh kept in t
+    def body(x, out, t):  # the gelu kernel's arithmetic, with the tanh kept in t
         np.multiply(k, x, out=out)
         np.multiply(out, x, out=out)
         np.multiply(out, x, out=out)
@@ -287,7 +313,7 @@ def _gelu_keep_tanh(node, out, ins, scratch):
         np.add(one, t, out=out)
         np.multiply(out, x, out=out)
         np.multiply(out, half, out=out)
-    return run
+    return _blocked(body, [x, out, t])
 
 
 @kernel("gelu_backward_tanh", scratch=lambda node, pos: [(node.shape, node.dtype)] * 2)
@@ -297,8 +323,7 @@ def _gelu_backward_tanh(node, out, ins, scratch):
     dt = node.dtype
     half, one, c, k3 = _s(0.5, dt), _s(1.0, dt), _s(GELU_C, dt), _s(3 * GELU_K, dt)
 
-    def run():  # the gelu_backward kernel's arithmetic in its order, from the kept tanh t
-        t = slot.t
+    def body(x, g, t, out, b, o):  # the gelu_backward kernel's arithmetic and order, from kept t
         np.multiply(t, t, out=b)          # b = 0.5*x*(1 - t*t)
         np.subtract(one, b, out=b)
         np.multiply(b, x, out=b)
@@ -312,7 +337,7 @@ def _gelu_backward_tanh(node, out, ins, scratch):
         np.multiply(half, o, out=o)
         np.add(o, b, out=o)
         np.multiply(g, o, out=out)
-    return run
+    return _blocked(body, [x, g, slot.t, out, b, o])
 
 
 # == reductions =====================================================================================
@@ -479,26 +504,36 @@ def _keep_shape(node, axis):
 @kernel("softmax", inplace=(0,), scratch=lambda node, pos: [(_keep_shape(node, node.attrs["axis"]), node.dtype)])
 def _softmax(node, out, ins, scratch):
     (x,), (m,), axis = ins, scratch, node.attrs["axis"]
+    ax = -1 if axis == node.ndim - 1 else axis   # blocks are 2-d views
 
-    def run():
-        np.max(x, axis=axis, keepdims=True, out=m)
+    def body(x, out, m):
+        np.max(x, axis=ax, keepdims=True, out=m)
         np.subtract(x, m, out=out)
         np.exp(out, out=out)
-        np.sum(out, axis=axis, keepdims=True, out=m)
+        np.sum(out, axis=ax, keepdims=True, out=m)
         np.divide(out, m, out=out)
-    return run
+    return _by_rows(node, axis, body, [x, out, m])
+
+
+def _by_rows(node, axis, body, arrays):
+    """`body` over blocks of rows when `axis` (the reduced one) is the last, else once."""
+    if axis != node.ndim - 1:
+        return functools.partial(body, *arrays)
+    rows = node.size // node.shape[-1] if node.shape[-1] else 0
+    return _blocked(body, arrays, rows)
 
 
 @kernel("softmax_backward", scratch=lambda node, pos: [(_keep_shape(node, node.attrs["axis"]), node.dtype)])
 def _softmax_backward(node, out, ins, scratch):
     (y, g), (s,), axis = ins, scratch, node.attrs["axis"]
+    ax = -1 if axis == node.ndim - 1 else axis   # blocks are 2-d views
 
-    def run():  # y*(g - sum(g*y))
+    def body(y, g, out, s):  # y*(g - sum(g*y))
         np.multiply(g, y, out=out)
-        np.sum(out, axis=axis, keepdims=True, out=s)
+        np.sum(out, axis=ax, keepdims=True, out=s)
         np.subtract(g, s, out=out)
         np.multiply(y, out, out=out)
-    return run
+    return _by_rows(node, axis, body, [y, g, out, s])
 
 
 @kernel("log_softmax", inplace=(0,),
@@ -548,7 +583,7 @@ def _layer_norm(node, out, ins, scratch):
     sq, m, v = scratch
     eps = _s(node.attrs["eps"], node.dtype)
 
-    def run():  # xc = x - mean(x); xc / sqrt(mean(xc*xc) + eps) * w + b
+    def body(x, out, sq, m, v):  # xc = x - mean(x); xc / sqrt(mean(xc*xc) + eps) * w + b
         np.mean(x, axis=-1, keepdims=True, out=m)
         np.subtract(x, m, out=out)
         np.multiply(out, out, out=sq)
@@ -560,7 +595,7 @@ def _layer_norm(node, out, ins, scratch):
             np.multiply(out, w, out=out)
         if b is not None:
             np.add(out, b, out=out)
-    return run
+    return functools.partial(body, x, out, sq, m, v)   # (blocking rows measured no faster here)
 
 
 def _last_and_first(node):
@@ -574,7 +609,7 @@ def _layer_norm_backward(node, out, ins, scratch):
     xhat, gh, m, r, m1, m2 = scratch
     eps, one = _s(node.attrs["eps"], node.dtype), _s(1.0, node.dtype)
 
-    def run():  # r*(gh - mean(gh) - xhat*mean(gh*xhat))
+    def body(x, g, out, xhat, gh, m, r, m1, m2):  # r*(gh - mean(gh) - xhat*mean(gh*xhat))
         np.mean(x, axis=-1, keepdims=True, out=m)
         np.subtract(x, m, out=xhat)
         np.multiply(xhat, xhat, out=gh)
@@ -594,7 +629,7 @@ def _layer_norm_backward(node, out, ins, scratch):
         np.subtract(gh, m1, out=out)
         np.subtract(out, xhat, out=out)
         np.multiply(r, out, out=out)
-    return run
+    return functools.partial(body, x, g, out, xhat, gh, m, r, m1, m2)
 
 
 @kernel("rms_norm", inplace=(0,),
@@ -804,11 +839,16 @@ def _dropout_shared(node, out, ins, scratch):
         draw = keep_mask_drawer(node.shape, a["stream"], a["p"])
     mask = slot.mask
 
-    def run():  # x * keep * scale == x * (keep * scale) bit for bit (keep is 0 or 1)
-        if a["draw"]:
-            draw(int(key), mask)
+    def body(x, mask, out):  # x * keep * scale == x * (keep * scale) bit for bit (keep is 0 or 1)
         np.multiply(x, mask, out=out)
         np.multiply(out, scale, out=out)
+    apply = _blocked(body, [x, mask, out])
+    if not a["draw"]:
+        return apply
+
+    def run():
+        draw(int(key), mask)
+        apply()
     return run
 
 

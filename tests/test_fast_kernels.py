@@ -78,3 +78,34 @@ def test_gelu_backward_reuses_the_forward_tanh_float32_only(dtype):
         got, want = run_both(g, [y, gx, gw], {"x": xv * scale}, state)
         for a, b in zip(got, want):   # the same arithmetic in the same order: bit for bit
             np.testing.assert_array_equal(a, b)
+
+
+# -- cache blocking: multi-pass kernels run block by block, bit for bit as on whole arrays ----------------
+
+@pytest.mark.parametrize("block", [1000, 1 << 16])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_blocked_kernels_match_reference_bit_for_bit(monkeypatch, block, dtype):
+    """layer_norm, causal softmax, gelu, dropout forward and backward on arrays bigger than a
+    block (with 1000: many blocks and a ragged last one); a softmax of a transposed (strided)
+    input runs unblocked and matches within rounding (the reference's temporaries there follow
+    the strided layout, so its sums add in another order)."""
+    monkeypatch.setattr(numpy_executor, "BLOCK", block)
+    g = gl.Graph("blocks")
+    x = g.input("x", (3, 37, 64), dtype)
+    key = g.input("key", (), "int64")
+    w, b = g.param("w", (64,), dtype), g.param("b", (64,), dtype)
+    h = gl.layer_norm(x, w, b)
+    a = gl.softmax(gl.causal_mask(h[:, :, :37] * 3.0), -1)          # [3, 37, 37], causal
+    s0 = gl.softmax(gl.transpose(h, (0, 2, 1)), 1)                  # strided input, axis 1
+    m = gl.gelu(gl.dropout(h * 2.0, 0.2, key, stream=1))
+    loss = gl.sum(m * m) + gl.sum(a * a)
+    grads = gl.grad(loss, [x, w, b])
+    strided = gl.grad(gl.sum(s0 * s0 * gl.transpose(x, (0, 2, 1))), [x])[0]
+    rng = np.random.default_rng(3)
+    feeds = {"x": rng.standard_normal((3, 37, 64)).astype(dtype), "key": np.asarray(9, np.int64)}
+    state = {"w": rng.standard_normal(64).astype(dtype), "b": rng.standard_normal(64).astype(dtype)}
+    got, want = run_both(g, [loss, m, *grads, strided], feeds, state)
+    for a_, b_ in zip(got[:-1], want[:-1]):
+        np.testing.assert_array_equal(a_, b_)
+    tol = 1e-12 if dtype == "float64" else 1e-6
+    assert_close(got[-1], want[-1], tol, tol)
