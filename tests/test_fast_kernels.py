@@ -85,7 +85,8 @@ def test_gelu_backward_reuses_the_forward_tanh_float32_only(dtype):
 @pytest.mark.parametrize("block", [1000, 1 << 16])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_blocked_kernels_match_reference_bit_for_bit(monkeypatch, block, dtype):
-    """layer_norm, causal softmax, gelu, dropout forward and backward on arrays bigger than a
+    """layer_norm (keeping xc, sv and xhat for its backward nodes), causal softmax, gelu, dropout
+    forward and backward on arrays bigger than a
     block (with 1000: many blocks and a ragged last one); a softmax of a transposed (strided)
     input runs unblocked and matches within rounding (the reference's temporaries there follow
     the strided layout, so its sums add in another order)."""
@@ -104,6 +105,9 @@ def test_blocked_kernels_match_reference_bit_for_bit(monkeypatch, block, dtype):
     rng = np.random.default_rng(3)
     feeds = {"x": rng.standard_normal((3, 37, 64)).astype(dtype), "key": np.asarray(9, np.int64)}
     state = {"w": rng.standard_normal(64).astype(dtype), "b": rng.standard_normal(64).astype(dtype)}
+    ops = {n.op for n in NUMPY.compile(g, [loss, m, *grads, strided]).run_nodes}
+    gelu = {"gelu", "gelu_backward"} if dtype == "float64" else {"gelu_keep_tanh", "gelu_backward_tanh"}
+    assert {"layer_norm_keep", "layer_norm_kept", "layer_norm_backward_kept", "dropout_shared"} | gelu <= ops
     got, want = run_both(g, [loss, m, *grads, strided], feeds, state)
     for a_, b_ in zip(got[:-1], want[:-1]):
         np.testing.assert_array_equal(a_, b_)
