@@ -41,7 +41,7 @@ from graphlm.registry import REGISTRY
 
 from . import reference
 from .base import ExecutionError, Program, check_index_range, node_where
-from .planner import ALIGN, Plan, apply_view, layouts, make_plan
+from .planner import ALIGN, Plan, _proto, apply_view, layouts, make_plan
 
 GELU_C = math.sqrt(2.0 / math.pi)
 GELU_K = 0.044715
@@ -450,6 +450,86 @@ def fuse_matmul_sums(nodes, outputs, protos):
 def _matmul_sum(node, out, ins, scratch):
     a2, b2, shape = _matmul_sum_operands(ins[0], ins[1], node.attrs["axes"])
     return functools.partial(np.matmul, a2, b2, out=np.reshape(out, shape, copy=False))
+
+
+def assemble_slice_gradients(nodes, outputs):
+    """Replace a tree of ``add`` nodes over ``slice_backward`` nodes with disjoint windows (the
+    gradient of q, k and v sliced from one fused QKV product) by one ``slices_assemble`` node that
+    writes each gradient into its window (zero-filling only what no window covers), reading
+    through any reshape chain above a gradient instead of copying it. Every covered element is
+    ``g + 0`` exactly as the reference's sum of zero-padded arrays. Returns the new node list."""
+    uses: dict[int, int] = {}
+    for n in nodes:
+        for i in n.inputs:
+            uses[i.id] = uses.get(i.id, 0) + 1
+    output_ids = {o.id for o in outputs}
+    private = lambda n: uses.get(n.id, 0) == 1 and n.id not in output_ids
+
+    def leaves(n, inner):
+        if n.op == "slice_backward":
+            return [n]
+        if n.op == "add" and all(i.shape == n.shape for i in n.inputs) and n.inputs[0] is not n.inputs[1]:
+            found = []
+            for i in n.inputs:
+                if not private(i):
+                    return None
+                sub = leaves(i, inner)
+                if sub is None:
+                    return None
+                found += sub
+            inner.append(n)
+            return found
+        return None
+
+    replace, removed = {}, set()
+    for n in reversed(nodes):
+        if n.op != "add" or n.id in removed or n.dtype.kind != "f":
+            continue
+        inner: list = []
+        found = leaves(n, inner)
+        if not found or len(found) < 2:
+            continue
+        cover = np.zeros(n.shape, np.int8)
+        for sb in found:
+            cover[sb.attrs["index"]] += 1
+        if cover.max() > 1:
+            continue
+        srcs, shapes = [], []
+        base = _proto(n.shape, n.dtype)
+        for sb in found:
+            src, window = sb.inputs[0], base[sb.attrs["index"]]
+            while src.op == "reshape" and private(src) and _flat(window, src.inputs[0].shape) is not None:
+                src = src.inputs[0]
+            srcs.append(src)
+            shapes.append(src.shape)
+        removed.update(x.id for x in inner)
+        removed.update(sb.id for sb in found)
+        for sb, src in zip(found, srcs):   # the reshapes read through
+            r = sb.inputs[0]
+            while r is not src:
+                removed.add(r.id)
+                r = r.inputs[0]
+        removed.discard(n.id)
+        replace[n.id] = FusedNode(n, "slices_assemble", srcs,
+                                  {"indexes": [sb.attrs["index"] for sb in found],
+                                   "covered": bool(cover.min() == 1)})
+    if not replace:
+        return list(nodes)
+    return [replace.get(n.id, n) for n in nodes if n.id not in removed]
+
+
+@kernel("slices_assemble")
+def _slices_assemble(node, out, ins, scratch):
+    zero = _s(0.0, node.dtype)
+    windows = [np.reshape(out[idx], src.shape, copy=False) for idx, src in zip(node.attrs["indexes"], ins)]
+    covered = node.attrs["covered"]
+
+    def run():
+        if not covered:
+            out.fill(0)
+        for src, window in zip(ins, windows):
+            np.add(src, zero, out=window)
+    return run
 
 
 # == gather / scatter ==================================================================================
@@ -1019,6 +1099,7 @@ class NumpyProgram(Program):
         super().__init__(graph, outputs, set(KERNELS) | set(reference.KERNELS))
         protos = layouts(self.nodes)[0]
         self.run_nodes, fused = fuse_matmul_sums(self.nodes, self.outputs, protos)
+        self.run_nodes = assemble_slice_gradients(self.run_nodes, self.outputs)
         self.run_nodes = pair_layer_norm_backward(pair_gelu_backward(share_dropout_masks(self.run_nodes)))
         self.plan: Plan = make_plan(self.run_nodes, self.outputs, _inplace_positions, _scratch, fused)
         raw = np.empty(self.plan.arena_bytes + ALIGN, dtype=np.uint8)
