@@ -616,6 +616,145 @@ def _softmax_backward(node, out, ins, scratch):
     return _by_rows(node, axis, body, [y, g, out, s])
 
 
+def _scalar_const(n):
+    """(other input, const input, const position) when `n` is a mul by a 0-d const, else None."""
+    if n.op != "mul" or len(n.inputs) != 2:
+        return None
+    for pos in (0, 1):
+        c = n.inputs[pos]
+        if c.op == "const" and c.shape == () and c.dtype == n.dtype and n.inputs[1 - pos].shape == n.shape:
+            return n.inputs[1 - pos], c, pos
+    return None
+
+
+def fuse_attention_softmax(nodes, outputs):
+    """Fold the scale and the causal mask around a softmax over the last axis into it, forward
+    ``softmax(causal_mask(x * c))`` -> ``softmax_fused`` and backward
+    ``causal_mask(softmax_backward(y, g), fill=0) * c`` -> ``softmax_backward_fused``, when the
+    intermediates have no other use. The fused kernels run the same arithmetic block by block
+    over whole T x S matrices (bit-identical, and two full passes over the scores fewer each
+    way). Returns the new node list."""
+    uses: dict[int, int] = {}
+    for n in nodes:
+        for i in n.inputs:
+            uses[i.id] = uses.get(i.id, 0) + 1
+    output_ids = {o.id for o in outputs}
+    private = lambda n: uses.get(n.id, 0) == 1 and n.id not in output_ids
+    last = lambda n: n.ndim >= 2 and n.attrs.get("axis") == n.ndim - 1
+    replace, removed = {}, set()
+    for n in nodes:
+        if n.op == "softmax" and last(n) and n.dtype.kind == "f":
+            src, mask, scale = n.inputs[0], None, None
+            if src.op == "causal_mask" and private(src):
+                mask, removed_here, src = src, [src.id], src.inputs[0]
+            else:
+                removed_here = []
+            sc = _scalar_const(src) if private(src) else None
+            if sc is not None:
+                removed_here.append(src.id)
+                scale, src = sc, sc[0]
+            if mask is None and scale is None:
+                continue
+            ins = [src] + ([scale[1]] if scale else [])
+            replace[n.id] = FusedNode(n, "softmax_fused", ins, {
+                "mask": (mask.attrs["fill"], mask.attrs["offset"]) if mask is not None else None,
+                "scale_pos": scale[2] if scale else None})
+            removed.update(removed_here)
+        elif n.op in ("mul", "causal_mask") and n.dtype.kind == "f":
+            root, scale, mask = n, None, None
+            sc = _scalar_const(n)
+            cur = n
+            if sc is not None:
+                scale, cur = sc, sc[0]
+                if not private(cur):
+                    continue
+            if cur.op == "causal_mask" and cur.attrs["fill"] == 0.0:
+                mask, cur = cur, cur.inputs[0]
+                if not private(cur):
+                    continue
+            if cur.op != "softmax_backward" or not last(cur) or (mask is None and scale is None) \
+                    or (mask is not None and mask is not n and scale is None):
+                continue
+            if scale is None and n.op != "causal_mask":
+                continue
+            removed.update(x.id for x in (cur, mask) if x is not None and x is not root)
+            ins = list(cur.inputs) + ([scale[1]] if scale else [])
+            replace[root.id] = FusedNode(root, "softmax_backward_fused", ins, {
+                "axis": cur.attrs["axis"],
+                "mask": (0.0, mask.attrs["offset"]) if mask is not None else None,
+                "scale_pos": scale[2] if scale else None})
+    if not replace:
+        return list(nodes)
+    return [replace.get(n.id, n) for n in nodes if n.id not in removed]
+
+
+def _matrices(body, arrays, shape):
+    """`body` over blocks of whole [T, S] matrices of `arrays` (viewed as (M, T, -1))."""
+    t, s_ = shape[-2], shape[-1]
+    m = int(np.prod(shape[:-2], dtype=np.int64))
+    views = [_flat(a, (m, t, -1)) for a in arrays]
+    per = max(1, BLOCK // max(1, t * s_))
+    if m <= per or any(v is None for v in views):
+        return functools.partial(body, *arrays)
+    blocks = [tuple(v[i:i + per] for v in views) for i in range(0, m, per)]
+
+    def run():
+        for block in blocks:
+            body(*block)
+    return run
+
+
+def _above(node, offset):
+    t, s_ = node.shape[-2:]
+    return ~np.tri(t, s_, k=offset, dtype=bool)
+
+
+@kernel("softmax_fused", inplace=(0,), scratch=lambda node, pos: [(node.shape[:-1] + (1,), node.dtype)])
+def _softmax_fused(node, out, ins, scratch):
+    x, k = ins[0], (ins[1] if len(ins) > 1 else None)
+    (m,), a = scratch, node.attrs
+    mask, pos = a["mask"], a["scale_pos"]
+    above = _above(node, mask[1]) if mask else None
+    fill = _s(mask[0], node.dtype) if mask else None
+
+    def body(x, out, m):  # the mul, causal_mask and softmax kernels' arithmetic, in order
+        src = x
+        if k is not None:
+            np.multiply(*((x, k) if pos == 1 else (k, x)), out=out)
+            src = out
+        if above is not None:
+            if src is not out:
+                np.copyto(out, src)
+            np.copyto(out, fill, where=above)
+            src = out
+        np.max(src, axis=-1, keepdims=True, out=m)
+        np.subtract(src, m, out=out)
+        np.exp(out, out=out)
+        np.sum(out, axis=-1, keepdims=True, out=m)
+        np.divide(out, m, out=out)
+    return _matrices(body, [x, out, m], node.shape)
+
+
+@kernel("softmax_backward_fused", scratch=lambda node, pos: [(node.shape[:-1] + (1,), node.dtype)])
+def _softmax_backward_fused(node, out, ins, scratch):
+    y, g, k = ins[0], ins[1], (ins[2] if len(ins) > 2 else None)
+    (s_,), a = scratch, node.attrs
+    mask, pos = a["mask"], a["scale_pos"]
+    above = _above(node, mask[1]) if mask else None
+    zero = _s(0.0, node.dtype)
+
+    def body(y, g, out, s_):  # the softmax_backward, causal_mask and mul kernels' arithmetic
+        np.multiply(g, y, out=out)
+        np.sum(out, axis=-1, keepdims=True, out=s_)
+        np.subtract(g, s_, out=out)
+        np.multiply(y, out, out=out)
+        if above is not None:
+            np.copyto(out, zero, where=above)
+        if k is not None:
+            np.multiply(*((out, k) if pos == 1 else (k, out)), out=out)
+    return _matrices(body, [y, g, out, s_], node.shape)
+
+
 @kernel("log_softmax", inplace=(0,),
         scratch=lambda node, pos: [(node.shape, node.dtype), (_keep_shape(node, node.attrs["axis"]), node.dtype)])
 def _log_softmax(node, out, ins, scratch):
@@ -1100,6 +1239,7 @@ class NumpyProgram(Program):
         protos = layouts(self.nodes)[0]
         self.run_nodes, fused = fuse_matmul_sums(self.nodes, self.outputs, protos)
         self.run_nodes = assemble_slice_gradients(self.run_nodes, self.outputs)
+        self.run_nodes = fuse_attention_softmax(self.run_nodes, self.outputs)
         self.run_nodes = pair_layer_norm_backward(pair_gelu_backward(share_dropout_masks(self.run_nodes)))
         self.plan: Plan = make_plan(self.run_nodes, self.outputs, _inplace_positions, _scratch, fused)
         raw = np.empty(self.plan.arena_bytes + ALIGN, dtype=np.uint8)

@@ -140,3 +140,30 @@ def test_slice_gradients_are_assembled_like_the_reference(parts, dtype):
     got, want = run_both(g, [gx, gw], feeds, state)
     for a, b in zip(got, want):
         assert a.tobytes() == b.tobytes()    # bit for bit, signs of zeros included
+
+
+# -- attention softmax with its scale and causal mask folded in --------------------------------------------
+
+@pytest.mark.parametrize("block", [1000, 1 << 16])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_scaled_causal_softmax_is_fused_and_bit_identical(monkeypatch, block, dtype):
+    monkeypatch.setattr(numpy_executor, "BLOCK", block)
+    g = gl.Graph("attn")
+    q = g.input("q", (2, 3, 24, 8), dtype)
+    k = g.input("k", (2, 3, 24, 8), dtype)
+    scores = (q @ gl.swapaxes(k, -1, -2)) * (1.0 / np.sqrt(8.0))
+    p = gl.softmax(gl.causal_mask(scores), -1)
+    loss = gl.sum(p * p * gl.tanh(scores))          # scores also feeds tanh: not fused away
+    p2 = gl.softmax(gl.causal_mask(q @ gl.swapaxes(k, -1, -2) * 0.5, offset=2), -1)
+    loss = loss + gl.sum(p2 * p2)
+    grads = gl.grad(loss, [q, k])
+    prog = NUMPY.compile(g, [loss, p, p2, *grads])
+    ops = [n.op for n in prog.run_nodes]
+    assert ops.count("softmax_fused") == 2 and ops.count("softmax_backward_fused") == 2, ops
+    assert "mul" in ops          # the scores tanh reads are still computed
+    rng = np.random.default_rng(5)
+    feeds = {"q": rng.standard_normal((2, 3, 24, 8)).astype(dtype),
+             "k": rng.standard_normal((2, 3, 24, 8)).astype(dtype)}
+    got, want = run_both(g, [loss, p, p2, *grads], feeds)
+    for a, b in zip(got, want):
+        assert a.tobytes() == b.tobytes()
