@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import executors  # noqa: E402
+from executors import numpy_executor  # noqa: E402
 import graphlm as gl  # noqa: E402
 from graphlm.models import GPT, GPTConfig  # noqa: E402
 from graphlm.nn import DROPOUT_KEY  # noqa: E402
@@ -338,8 +339,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=15, help="timed steps per framework and batch")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1,
-                    help="BLAS threads (graphlm) and torch threads (default 1: on the shared 2-core "
-                         "machine 2 threads thrash for both frameworks)")
+                    help="threads for each framework: graphlm's BLAS and blocked kernels, torch's "
+                         "intra-op pool (default 1: on the shared 2-core machine 2 threads often "
+                         "thrash for both frameworks)")
     ap.add_argument("--gap", type=float, default=0.25,
                     help="seconds of sleep before each timed step: OpenBLAS's and torch's idle "
                          "threads spin for a while after a call and would steal the other's cores")
@@ -352,6 +354,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     THREADS = args.threads
     set_blas_threads(args.threads)
+    numpy_executor.set_threads(min(args.threads, 2))
     config = GPTConfig.preset("tinylm")
 
     if args.child:

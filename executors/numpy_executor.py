@@ -85,6 +85,39 @@ def _flat(arr: np.ndarray, shape) -> np.ndarray | None:
 
 BLOCK = 1 << 16   # elements per cache block (256 KiB of float32)
 
+_workers = {"threads": 1, "pool": None}
+
+
+def set_threads(n: int) -> None:
+    """Run the blocks of blocked kernels on `n` threads (1 or 2; NumPy releases the GIL inside
+    its loops). Results do not depend on it: every block is computed the same way. Default 1
+    (BLAS threads are set separately, e.g. tools.train_cli.set_blas_threads)."""
+    if n not in (1, 2):
+        raise ValueError(f"numpy executor: threads must be 1 or 2, got {n}")
+    _workers["threads"] = n
+    if n > 1 and _workers["pool"] is None:
+        from concurrent.futures import ThreadPoolExecutor
+        _workers["pool"] = ThreadPoolExecutor(1, thread_name_prefix="graphlm-numpy")
+
+
+def _run_blocks(body, blocks):
+    """A closure running body over every block, split over the worker threads at run time."""
+    half = (len(blocks) + 1) // 2
+    first, second = blocks[:half], blocks[half:]
+
+    def run_all(part):
+        for block in part:
+            body(*block)
+
+    def run():
+        if _workers["threads"] > 1 and second:
+            job = _workers["pool"].submit(run_all, second)
+            run_all(first)
+            job.result()
+        else:
+            run_all(blocks)
+    return run
+
 
 def _blocked(body, arrays, rows: int | None = None):
     """A closure running ``body(*views)`` block by block over `arrays`, so that all the passes of
@@ -101,12 +134,7 @@ def _blocked(body, arrays, rows: int | None = None):
         per = max(1, BLOCK // max(1, arrays[0].size // max(rows, 1)))
     if total <= per or any(v is None for v in views):
         return functools.partial(body, *arrays)
-    blocks = [tuple(v[s:s + per] for v in views) for s in range(0, total, per)]
-
-    def run():
-        for block in blocks:
-            body(*block)
-    return run
+    return _run_blocks(body, [tuple(v[s:s + per] for v in views) for s in range(0, total, per)])
 
 
 # == elementwise ===================================================================================
@@ -696,12 +724,7 @@ def _matrices(body, arrays, shape):
     per = max(1, BLOCK // max(1, t * s_))
     if m <= per or any(v is None for v in views):
         return functools.partial(body, *arrays)
-    blocks = [tuple(v[i:i + per] for v in views) for i in range(0, m, per)]
-
-    def run():
-        for block in blocks:
-            body(*block)
-    return run
+    return _run_blocks(body, [tuple(v[i:i + per] for v in views) for i in range(0, m, per)])
 
 
 def _above(node, offset):

@@ -82,9 +82,16 @@ def test_gelu_backward_reuses_the_forward_tanh_float32_only(dtype):
 
 # -- cache blocking: multi-pass kernels run block by block, bit for bit as on whole arrays ----------------
 
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    numpy_executor.set_threads(request.param)
+    yield request.param
+    numpy_executor.set_threads(1)
+
+
 @pytest.mark.parametrize("block", [1000, 1 << 16])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_blocked_kernels_match_reference_bit_for_bit(monkeypatch, block, dtype):
+def test_blocked_kernels_match_reference_bit_for_bit(monkeypatch, block, dtype, threads):
     """layer_norm (keeping xc, sv and xhat for its backward nodes), causal softmax, gelu, dropout
     forward and backward on arrays bigger than a
     block (with 1000: many blocks and a ragged last one); a softmax of a transposed (strided)
@@ -146,7 +153,7 @@ def test_slice_gradients_are_assembled_like_the_reference(parts, dtype):
 
 @pytest.mark.parametrize("block", [1000, 1 << 16])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_scaled_causal_softmax_is_fused_and_bit_identical(monkeypatch, block, dtype):
+def test_scaled_causal_softmax_is_fused_and_bit_identical(monkeypatch, block, dtype, threads):
     monkeypatch.setattr(numpy_executor, "BLOCK", block)
     g = gl.Graph("attn")
     q = g.input("q", (2, 3, 24, 8), dtype)
@@ -167,3 +174,8 @@ def test_scaled_causal_softmax_is_fused_and_bit_identical(monkeypatch, block, dt
     got, want = run_both(g, [loss, p, p2, *grads], feeds)
     for a, b in zip(got, want):
         assert a.tobytes() == b.tobytes()
+
+
+def test_set_threads_rejects_other_counts():
+    with pytest.raises(ValueError, match="threads must be 1 or 2, got 3"):
+        numpy_executor.set_threads(3)
