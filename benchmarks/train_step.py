@@ -220,6 +220,7 @@ def time_batch(config, batch, steps, warmup, torch, peak_gflops, gap: float) -> 
         "graphlm_mfu": round(flops / (g_ms / 1e3) / (peak_gflops * 1e9), 4),
         "torch_mfu": round(flops / (t_ms / 1e3) / (peak_gflops * 1e9), 4),
         "arena_mib": round(gs.program.plan.arena_bytes / 2 ** 20, 2),
+        "kept_mib": round(gs.program.kept_bytes() / 2 ** 20, 2),
     }
 
 

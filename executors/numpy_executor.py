@@ -1302,6 +1302,18 @@ class NumpyProgram(Program):
         if poison:
             self.poison_arena()
 
+    def kept_bytes(self) -> int:
+        """Bytes the fused kernels keep outside the arena from forward to backward (dropout masks,
+        GELU tanh, layer-norm statistics); allocated once when the program is first run."""
+        seen, total = set(), 0
+        for n in self.run_nodes:
+            slot = getattr(n, "attrs", {}).get("slot") if isinstance(n, FusedNode) else None
+            if slot is None or id(slot) in seen:
+                continue
+            seen.add(id(slot))
+            total += sum(v.nbytes for v in vars(slot).values() if isinstance(v, np.ndarray))
+        return total
+
     def poison_arena(self) -> None:
         """Fill the arena and output buffers with NaN bytes (0xFF): a debugging aid and a test that
         no kernel reads memory it has not written this run."""

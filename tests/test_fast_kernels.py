@@ -201,3 +201,16 @@ def test_embedding_backward_matches_reference_with_repeats_and_negative_zeros(dt
     bad = dict(feeds, ids=np.full((6, 50), 7))
     with pytest.raises(ValueError, match="token id 7 is out of range"):
         NUMPY.compile(g, [gt]).run(bad, state)
+
+
+def test_kept_bytes_counts_the_buffers_fused_kernels_keep():
+    g = gl.Graph("kept")
+    x = g.input("x", (4, 16), "float32")
+    key = g.input("key", (), "int64")
+    w = g.param("w", (16,), "float32")
+    y = gl.gelu(gl.dropout(gl.layer_norm(x, w, None), 0.5, key, stream=0))
+    (gx,) = gl.grad(gl.sum(y * y), [x])
+    prog = NUMPY.compile(g, [gx])
+    prog.run({"x": np.ones((4, 16), np.float32), "key": np.asarray(1, np.int64)}, {"w": np.ones(16, np.float32)})
+    # dropout mask (bool) + gelu tanh + layer norm x - mean and sqrt(var + eps)
+    assert prog.kept_bytes() == 64 + 64 * 4 + 64 * 4 + 4 * 4
