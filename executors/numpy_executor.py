@@ -24,6 +24,16 @@ An op with a reference kernel but no entry here runs the reference kernel and co
 into the planned buffer (correct, but it allocates); an op with neither fails at compile.
 Kernels compute exactly the reference's arithmetic, in the same order, so float results match
 the reference bit for bit except where noted.
+
+Compile-time passes (before planning; each replaces graph nodes by `FusedNode`s that name
+executor-private kernels, and none changes a result bit): `fuse_matmul_sums` (weight
+gradients: the summed batch folded into one matmul; this one does round differently),
+`assemble_slice_gradients` (the QKV gradient in one node), `fuse_attention_softmax` (scale and
+causal mask folded into softmax and its backward), `share_dropout_masks` (one mask per
+forward/backward pair, drawn once per run), `pair_gelu_backward` and `pair_layer_norm_backward`
+(the forward keeps what the backward would recompute, in program-owned buffers). Multi-pass
+kernels run block by block (`_blocked`, `BLOCK` elements) so their passes hit cache;
+`set_threads(2)` splits the blocks over two threads. `NumpyProgram.profile` times each kernel.
 """
 from __future__ import annotations
 
