@@ -31,7 +31,8 @@ gradients: the summed batch folded into one matmul; this one does round differen
 `assemble_slice_gradients` (the QKV gradient in one node), `fuse_attention_softmax` (scale and
 causal mask folded into softmax and its backward), `share_dropout_masks` (one mask per
 forward/backward pair, drawn once per run), `pair_gelu_backward` and `pair_layer_norm_backward`
-(the forward keeps what the backward would recompute, in program-owned buffers). Multi-pass
+(the forward keeps what the backward would recompute, in arena blocks that live until their
+last reader: kernel scratch specs ``(shape, dtype, until_node_id)``). Multi-pass
 kernels run block by block (`_blocked`, `BLOCK` elements) so their passes hit cache;
 `set_threads(2)` splits the blocks over two threads. `NumpyProgram.profile` times each kernel.
 """
@@ -308,10 +309,11 @@ def _gelu_backward(node, out, ins, scratch):
 
 class _SavedTanh:
     """tanh(C*(x + K*x^3)) of one float32 GELU's input, written by the forward kernel and read
-    by the backward kernels of the same input (program-owned, made once at bind time)."""
+    by the backward kernels of the same input (an arena block live until the last of them)."""
 
     def __init__(self):
         self.t: np.ndarray | None = None
+        self.until: int | None = None   # the last backward node reading t (ends its lifetime)
 
 
 def pair_gelu_backward(nodes):
@@ -332,6 +334,8 @@ def pair_gelu_backward(nodes):
     if not pairs:
         return list(nodes)
     slots = {fid: _SavedTanh() for fid in pairs}
+    for fid, bids in pairs.items():
+        slots[fid].until = bids[-1]
     slot_of = {bid: slots[fid] for fid, bids in pairs.items() for bid in bids}
     out = []
     for n in nodes:
@@ -343,11 +347,11 @@ def pair_gelu_backward(nodes):
     return out
 
 
-@kernel("gelu_keep_tanh")
+@kernel("gelu_keep_tanh", scratch=lambda node, pos: [(node.shape, node.dtype, node.attrs["slot"].until)])
 def _gelu_keep_tanh(node, out, ins, scratch):
     (x,) = ins
     slot = node.attrs["slot"]
-    slot.t = t = np.empty(node.shape, node.dtype)
+    (slot.t,) = (t,) = scratch   # planned in the arena, live until the last backward reads it
     dt = node.dtype
     half, one, c, k = _s(0.5, dt), _s(1.0, dt), _s(GELU_C, dt), _s(GELU_K, dt)
 
@@ -873,12 +877,14 @@ def _layer_norm(node, out, ins, scratch):
 
 
 class _SavedNorm:
-    """What a layer_norm's backward recomputes, kept by the forward kernel (program-owned):
+    """What a layer_norm's backward recomputes, kept by the forward kernel (arena blocks
+live until the last node that reads them):
     xc = x - mean(x), sv = sqrt(mean(xc*xc) + eps) (rows) and, when a backward node recomputes
     the normalised input for the weight gradient, xhat = xc / sv."""
 
     def __init__(self):
         self.xc = self.sv = self.xhat = None
+        self.until: int | None = None   # the last node reading the kept values
 
 
 def pair_layer_norm_backward(nodes):
@@ -901,6 +907,8 @@ def pair_layer_norm_backward(nodes):
                                               and not n.attrs.get("has_bias")):
             users.setdefault(f.id, []).append(n)
     slots = {fid: (_SavedNorm(), any(u.op == "layer_norm" for u in us)) for fid, us in users.items()}
+    for fid, us in users.items():
+        slots[fid][0].until = max((u.id for u in us), key=position.__getitem__)
     user_slot = {u.id: slots[fid][0] for fid, us in users.items() for u in us}
     out = []
     for n in nodes:
@@ -915,15 +923,24 @@ def pair_layer_norm_backward(nodes):
     return out
 
 
-@kernel("layer_norm_keep", scratch=lambda node, pos: [(node.shape, node.dtype), (_rows(node), node.dtype)])
+def _layer_norm_keep_scratch(node, pos):
+    until = node.attrs["slot"].until
+    kept = [(node.shape, node.dtype, until), (_rows(node), node.dtype, until)]
+    if node.attrs["keep_xhat"]:
+        kept.append((node.shape, node.dtype, until))
+    return [(node.shape, node.dtype), (_rows(node), node.dtype)] + kept
+
+
+@kernel("layer_norm_keep", scratch=_layer_norm_keep_scratch)
 def _layer_norm_keep(node, out, ins, scratch):
     x, w, b, _ = _norm_split(node, ins)
-    sq, m = scratch
+    sq, m, *kept = scratch
     a = node.attrs
     slot = a["slot"]
     eps = _s(a["eps"], node.dtype)
-    slot.xc, slot.sv = np.empty(node.shape, node.dtype), np.empty(_rows(node), node.dtype)
-    slot.xhat = np.empty(node.shape, node.dtype) if a["keep_xhat"] else None
+    # xc, sv (and xhat) are planned in the arena, live until the last node that reads them
+    slot.xc, slot.sv = kept[0], kept[1]
+    slot.xhat = kept[2] if a["keep_xhat"] else None
     xc, v = slot.xc, slot.sv
     xhat = out if slot.xhat is None else slot.xhat
 
@@ -1152,6 +1169,7 @@ class _MaskSlot:
 
     def __init__(self):
         self.mask: np.ndarray | None = None
+        self.until: int | None = None   # the last dropout node reading the mask
 
 
 def share_dropout_masks(nodes):
@@ -1167,6 +1185,7 @@ def share_dropout_masks(nodes):
         key = (n.inputs[1].id, n.attrs["stream"], n.attrs["p"], n.shape, n.dtype.str)
         draw = key not in slots
         slot = slots.setdefault(key, _MaskSlot())
+        slot.until = n.id   # nodes come in run order: the last one met reads the mask last
         out.append(FusedNode(n, "dropout_shared", n.inputs, {**n.attrs, "slot": slot, "draw": draw}))
     return out
 
@@ -1209,14 +1228,19 @@ def keep_mask_drawer(shape, stream: int, p: float):
     return draw
 
 
-@kernel("dropout_shared", inplace=(0,))
+def _dropout_mask_scratch(node, pos):
+    """The drawing node's mask, planned in the arena and live until the last node reading it."""
+    return [(node.shape, np.bool_, node.attrs["slot"].until)] if node.attrs.get("draw", True) else []
+
+
+@kernel("dropout_shared", inplace=(0,), scratch=_dropout_mask_scratch)
 def _dropout_shared(node, out, ins, scratch):
     x, key = ins
     a = node.attrs
     slot = a["slot"]
     scale = np.asarray(1.0 / (1.0 - a["p"]), dtype=node.dtype)
     if a["draw"]:
-        slot.mask = np.empty(node.shape, bool)   # program-owned, made once at bind time
+        (slot.mask,) = scratch
         draw = keep_mask_drawer(node.shape, a["stream"], a["p"])
     mask = slot.mask
 
@@ -1233,7 +1257,7 @@ def _dropout_shared(node, out, ins, scratch):
     return run
 
 
-@kernel("dropout", inplace=(0,))
+@kernel("dropout", inplace=(0,), scratch=lambda node, pos: [(node.shape, np.bool_)])
 def _dropout(node, out, ins, scratch):
     """A dropout node compiled on its own (share_dropout_masks normally replaces it)."""
     attrs = {**node.attrs, "slot": _MaskSlot(), "draw": True}
@@ -1313,16 +1337,11 @@ class NumpyProgram(Program):
             self.poison_arena()
 
     def kept_bytes(self) -> int:
-        """Bytes the fused kernels keep outside the arena from forward to backward (dropout masks,
-        GELU tanh, layer-norm statistics); allocated once when the program is first run."""
-        seen, total = set(), 0
-        for n in self.run_nodes:
-            slot = getattr(n, "attrs", {}).get("slot") if isinstance(n, FusedNode) else None
-            if slot is None or id(slot) in seen:
-                continue
-            seen.add(id(slot))
-            total += sum(v.nbytes for v in vars(slot).values() if isinstance(v, np.ndarray))
-        return total
+        """Bytes fused kernels keep from forward to backward (dropout masks, GELU tanh, layer-norm
+        statistics). They are arena blocks like any other, live until their last reader, so they
+        are already inside `plan.arena_bytes`; this says how much of the arena they take at most."""
+        return sum(int(np.prod(sc.shape, dtype=np.int64)) * sc.dtype.itemsize
+                   for lst in self.plan.scratch.values() for sc in lst if sc.kept)
 
     def poison_arena(self) -> None:
         """Fill the arena and output buffers with NaN bytes (0xFF): a debugging aid and a test that

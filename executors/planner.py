@@ -87,12 +87,14 @@ class Block:
 
 @dataclass
 class Scratch:
-    """A temporary array a kernel uses during one step."""
+    """A temporary array a kernel uses during its step, or a value it keeps for later nodes
+    (a spec ``(shape, dtype, until_node_id)``: live until that node's step)."""
 
     offset: int
     nbytes: int
     shape: tuple[int, ...]
     dtype: np.dtype
+    kept: bool = False   # lives past its node's step (read by later nodes)
 
 
 class Plan:
@@ -289,11 +291,12 @@ def make_plan(nodes: Sequence[Tensor], outputs: Sequence[Tensor], inplace_positi
                 kinds[n.id] = "arena"
                 block_of[n.id] = new_block(n.id, n.nbytes, k, last[n.id])
         pos = inplace_input.get(n.id)
-        for shape, dtype in scratch(n, pos):
+        for shape, dtype, *until in scratch(n, pos):
             dtype = np.dtype(dtype)
             nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            until_step = max(k, step[until[0]]) if until and until[0] is not None else k
             scratch_blocks.setdefault(n.id, []).append(
-                (new_block(n.id, nbytes, k, k, scratch=True), tuple(shape), dtype))
+                (new_block(n.id, nbytes, k, until_step, scratch=True), tuple(shape), dtype))
 
     arena_blocks = [b for b in blocks if not b.dedicated]
     offsets, strategy = _best_placement(arena_blocks)
@@ -301,8 +304,11 @@ def make_plan(nodes: Sequence[Tensor], outputs: Sequence[Tensor], inplace_positi
         b.offset = offsets[b.id]
     arena_bytes = max((b.offset + b.nbytes for b in arena_blocks), default=0)
     lower = _lower_bound(arena_blocks, len(nodes))
+    # naive: every intermediate its own buffer, kernel scratch and kept values included (they
+    # are arena blocks too, so the ratio compares like with like)
     naive = sum(aligned(n.nbytes) for n in nodes if kinds[n.id] in ("arena", "inplace")) + \
-        sum(aligned(inner.nbytes) for inner in (fused or {}))
+        sum(aligned(inner.nbytes) for inner in (fused or {})) + \
+        sum(b.nbytes for lst in scratch_blocks.values() for b, _, _ in lst)
     output_bytes = sum(b.nbytes for b in blocks if b.dedicated)
 
     entries: dict[int, Entry] = {}
@@ -326,7 +332,8 @@ def make_plan(nodes: Sequence[Tensor], outputs: Sequence[Tensor], inplace_positi
     for inner, outer in (fused or {}).items():
         k = step[outer.id]
         entries[inner.id] = Entry(inner.id, "fused", None, inner.nbytes, outer.id, k, k)
-    scratch_out = {nid: [Scratch(b.offset, b.nbytes, shape, dtype) for b, shape, dtype in lst]
+    scratch_out = {nid: [Scratch(b.offset, b.nbytes, shape, dtype, b.last > b.first)
+                         for b, shape, dtype in lst]
                    for nid, lst in scratch_blocks.items()}
     plan = Plan(schedule, entries, blocks, scratch_out, storage, view_offset, inplace_input,
                 arena_bytes, lower, naive, output_bytes, strategy)
