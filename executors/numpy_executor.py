@@ -982,17 +982,7 @@ def _layer_norm_backward_kept(node, out, ins, scratch):
     def run():  # the layer_norm_backward kernel's arithmetic, from the kept xc and sv
         np.divide(one, sv, out=r)
         np.multiply(xc, r, out=xhat)
-        if w is not None:
-            np.multiply(g, w, out=gh)
-        else:
-            np.copyto(gh, g)
-        np.multiply(gh, xhat, out=out)
-        _mean_last(out, m2)
-        _mean_last(gh, m1)
-        np.multiply(xhat, m2, out=xhat)
-        np.subtract(gh, m1, out=out)
-        np.subtract(out, xhat, out=out)
-        np.multiply(r, out, out=out)
+        _layer_norm_backward_from_xhat(xhat, r, g, w, out, gh, m1, m2)
     return run
 
 
@@ -1016,18 +1006,23 @@ def _layer_norm_backward(node, out, ins, scratch):
         np.sqrt(r, out=r)
         np.divide(one, r, out=r)
         np.multiply(xhat, r, out=xhat)
-        if w is not None:
-            np.multiply(g, w, out=gh)
-        else:
-            np.copyto(gh, g)
-        np.multiply(gh, xhat, out=out)
-        _mean_last(out, m2)
-        _mean_last(gh, m1)
-        np.multiply(xhat, m2, out=xhat)
-        np.subtract(gh, m1, out=out)
-        np.subtract(out, xhat, out=out)
-        np.multiply(r, out, out=out)
+        _layer_norm_backward_from_xhat(xhat, r, g, w, out, gh, m1, m2)
     return functools.partial(body, x, g, out, xhat, gh, m, r, m1, m2)
+
+
+def _layer_norm_backward_from_xhat(xhat, r, g, w, out, gh, m1, m2):
+    """out = r*(gh - mean(gh) - xhat*mean(gh*xhat)) with gh = g*w; overwrites xhat and gh."""
+    if w is not None:
+        np.multiply(g, w, out=gh)
+    else:
+        np.copyto(gh, g)
+    np.multiply(gh, xhat, out=out)
+    _mean_last(out, m2)
+    _mean_last(gh, m1)
+    np.multiply(xhat, m2, out=xhat)
+    np.subtract(gh, m1, out=out)
+    np.subtract(out, xhat, out=out)
+    np.multiply(r, out, out=out)
 
 
 @kernel("rms_norm", inplace=(0,),
