@@ -95,6 +95,7 @@ def _flat(arr: np.ndarray, shape) -> np.ndarray | None:
 
 
 BLOCK = 1 << 16   # elements per cache block (256 KiB of float32)
+SMALL = 4096    # elements: at most this, kernels take a short path with the fewest NumPy calls (decoding)
 
 _workers = {"threads": 1, "pool": None}
 
@@ -161,7 +162,11 @@ def _mean_last(x, out):
 # == elementwise ===================================================================================
 
 def _ufunc_kernel(fn):
-    return lambda node, out, ins, scratch: functools.partial(fn, *ins, out=out)
+    # out positional: a partial with keywords costs ~0.4 us more a call (decoding makes ~60);
+    # np.maximum deprecates a positional out, so it keeps the keyword
+    if fn is np.maximum:
+        return lambda node, out, ins, scratch: functools.partial(fn, *ins, out=out)
+    return lambda node, out, ins, scratch: functools.partial(fn, *ins, out)
 
 
 for _name, _fn in {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide,
@@ -394,7 +399,8 @@ def _gelu_backward_tanh(node, out, ins, scratch):
 
 # == reductions =====================================================================================
 
-for _name, _fn in {"sum": np.sum, "mean": np.mean, "max": np.max}.items():
+# (np.sum and np.max on an ndarray are np.add.reduce and np.maximum.reduce behind ~3 us of Python)
+for _name, _fn in {"sum": np.add.reduce, "mean": np.mean, "max": np.maximum.reduce}.items():
     kernel(_name)((lambda fn: lambda node, out, ins, scratch: functools.partial(
         fn, ins[0], axis=node.attrs["axes"], keepdims=node.attrs["keepdims"], out=out))(_fn))
 
@@ -431,7 +437,7 @@ def _slice_backward(node, out, ins, scratch):
 @kernel("matmul")
 def _matmul(node, out, ins, scratch):
     # (folding the batch into the rows of one product is not faster here and changes rounding)
-    return functools.partial(np.matmul, ins[0], ins[1], out=out)
+    return functools.partial(np.matmul, ins[0], ins[1], out)   # out positional: see _ufunc_kernel
 
 
 class FusedNode:
@@ -591,6 +597,16 @@ def _embedding(node, out, ins, scratch):
     table, ids = ins
     rows = table.shape[0]
 
+    if ids.size == 1:  # decoding: one id, checked as a Python int (min()/max() cost ~5 us)
+        item = ids.item
+
+        def run_one():
+            i = item()
+            if i < 0 or i >= rows:
+                check_index_range(node, ids, rows, "token id")
+            np.take(table, ids, axis=0, out=out, mode="clip")
+        return run_one
+
     def run():
         check_index_range(node, ids, rows, "token id")
         np.take(table, ids, axis=0, out=out, mode="clip")  # 'raise' would buffer a copy
@@ -650,11 +666,11 @@ def _softmax(node, out, ins, scratch):
     (x,), (m,), axis = ins, scratch, node.attrs["axis"]
     ax = -1 if axis == node.ndim - 1 else axis   # blocks are 2-d views
 
-    def body(x, out, m):
-        np.max(x, axis=ax, keepdims=True, out=m)
+    def body(x, out, m):  # np.maximum.reduce / np.add.reduce: what np.max / np.sum call
+        np.maximum.reduce(x, axis=ax, keepdims=True, out=m)
         np.subtract(x, m, out=out)
         np.exp(out, out=out)
-        np.sum(out, axis=ax, keepdims=True, out=m)
+        np.add.reduce(out, axis=ax, keepdims=True, out=m)
         np.divide(out, m, out=out)
     return _by_rows(node, axis, body, [x, out, m])
 
@@ -786,10 +802,10 @@ def _softmax_fused(node, out, ins, scratch):
                 np.copyto(out, src)
             np.copyto(out, fill, where=above)
             src = out
-        np.max(src, axis=-1, keepdims=True, out=m)
+        np.maximum.reduce(src, axis=-1, keepdims=True, out=m)
         np.subtract(src, m, out=out)
         np.exp(out, out=out)
-        np.sum(out, axis=-1, keepdims=True, out=m)
+        np.add.reduce(out, axis=-1, keepdims=True, out=m)
         np.divide(out, m, out=out)
     return _matrices(body, [x, out, m], node.shape)
 
@@ -860,6 +876,30 @@ def _layer_norm(node, out, ins, scratch):
     x, w, b, _ = _norm_split(node, ins)
     sq, m, v = scratch
     eps = _s(node.attrs["eps"], node.dtype)
+
+    if node.size <= SMALL and x.dtype in (np.float32, np.float64):
+        # few rows (decoding): the fewest NumPy calls, with the count and eps as arrays of m's
+        # shape (a float count divides exactly as np.mean's intp one: see _mean_last)
+        count = np.full(m.shape, node.shape[-1], node.dtype)
+        eps_rows = np.full(v.shape, eps, node.dtype)
+        reduce, divide, subtract, multiply, add, sqrt = (np.add.reduce, np.divide, np.subtract,
+                                                         np.multiply, np.add, np.sqrt)
+
+        def run_small():
+            reduce(x, axis=-1, keepdims=True, out=m)
+            divide(m, count, m)
+            subtract(x, m, out)
+            multiply(out, out, sq)
+            reduce(sq, axis=-1, keepdims=True, out=v)
+            divide(v, count, v)
+            add(v, eps_rows, v)
+            sqrt(v, v)
+            divide(out, v, out)
+            if w is not None:
+                multiply(out, w, out)
+            if b is not None:
+                add(out, b, out)
+        return run_small
 
     def body(x, out, sq, m, v):  # xc = x - mean(x); xc / sqrt(mean(xc*xc) + eps) * w + b
         _mean_last(x, m)
@@ -1158,6 +1198,23 @@ def _causal_mask(node, out, ins, scratch):
     return run
 
 
+@kernel("cache_write")
+def _cache_write(node, out, ins, scratch):
+    """The reference kernel's write, without its per-run Python setup (the KV cache in place)."""
+    cache, value, pos = ins
+    axis, n = node.attrs["axis"], value.shape[node.attrs["axis"]]
+    limit = cache.shape[axis] - n
+    before = (slice(None),) * axis
+
+    def run():
+        p = int(pos)
+        if not 0 <= p <= limit:
+            reference.KERNELS["cache_write"](node, cache, value, pos)  # raises, naming the node
+        cache[before + (slice(p, p + n),)] = value
+        out[()] = 0
+    return run
+
+
 class _MaskSlot:
     """The keep mask shared by the dropout nodes of one (key, stream, p, shape): drawn once per
     run by the first of them (the forward), read by the others (the backward)."""
@@ -1325,6 +1382,7 @@ class NumpyProgram(Program):
         self._feed_buffers = {name: np.empty(n.shape, n.dtype) for name, n in self.input_nodes.items()}
         self._feed_pairs = [(buf, name) for name, buf in self._feed_buffers.items()]
         self._bound: list[tuple[str, np.ndarray]] | None = None
+        self._checked: list[tuple] | None = None
         self._steps: list[Callable[[], None]] = []
         self._state_copies: list[tuple[np.ndarray, np.ndarray]] = []
         self._results: list[np.ndarray] = []
@@ -1392,11 +1450,31 @@ class NumpyProgram(Program):
         self._bound = [(name, state[name]) for name in self.state_nodes]
 
     # -- running -----------------------------------------------------------------------------------------
+    def _same_state(self, state) -> bool:
+        """Whether `state` holds exactly the arrays of the last checked run, unchanged in shape,
+        dtype and (for written state) flags: then check_state would pass and nothing needs
+        binding, at a fraction of its cost (~90 us for TinyLM's 62 arrays, per decoded token)."""
+        if self._checked is None or state is None:
+            return False
+        try:
+            for name, arr, shape, dtype, written in self._checked:
+                a = state[name]
+                if a is not arr or a.shape != shape or a.dtype is not dtype:
+                    return False
+                if written and not (a.flags.writeable and a.flags.c_contiguous):
+                    return False
+        except (KeyError, TypeError):
+            return False
+        return True
+
     def run(self, feeds=None, state=None) -> list[np.ndarray]:
         feeds = self.check_feeds(feeds)
-        state = self.check_state(state)
-        if self._bound is None or any(state[name] is not arr for name, arr in self._bound):
-            self._bind(state)
+        if not self._same_state(state):
+            state = self.check_state(state)
+            if self._bound is None or any(state[name] is not arr for name, arr in self._bound):
+                self._bind(state)
+            self._checked = [(name, state[name], state[name].shape, state[name].dtype,
+                              name in self.written_state) for name in self.state_nodes]
         for buf, name in self._feed_pairs:
             np.copyto(buf, feeds[name])
         for private, arr in self._state_copies:

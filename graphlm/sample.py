@@ -48,7 +48,7 @@ def _embed(model, tokens: Tensor, positions: Tensor | None) -> Tensor:
 
 
 def _block_cached(block, x: Tensor, cache_k: Tensor, cache_v: Tensor, pos: Tensor | None,
-                  writes: list) -> Tensor:
+                  writes: list, mask: Tensor | None = None) -> Tensor:
     """`DecoderBlock.forward` with the attention split open to read and write the caches.
 
     pos None: prefill (causal attention over the L positions of x, written at 0).
@@ -65,22 +65,26 @@ def _block_cached(block, x: Tensor, cache_k: Tensor, cache_v: Tensor, pos: Tenso
                 writes += [ops.cache_write(cache_k, kh, zero, axis=2), ops.cache_write(cache_v, vh, zero, axis=2)]
                 context = attn.attend(qh, kh, vh, causal=True)
             else:
-                context = _attend_to_cache(attn, qh, kh, vh, cache_k, cache_v, pos)
+                context = _attend_to_cache(attn, qh, kh, vh, cache_k, cache_v, pos, mask)
                 writes += [ops.cache_write(cache_k, kh, pos, axis=2), ops.cache_write(cache_v, vh, pos, axis=2)]
             out = attn.project_output(attn.merge_heads(context))
         r = x + out
         return r + block.mlp(r)
 
 
-def _attend_to_cache(attn, q, k, v, cache_k, cache_v, pos):
+def _cache_mask(pos: Tensor, t: int) -> Tensor:
+    """[T]: 0 where cached position j < pos, -inf elsewhere (built once, shared by the blocks)."""
+    visible = ops.less(pos.graph.const(np.arange(t, dtype=np.int64)), pos)   # [T]: j < pos
+    return ops.where(visible, 0.0, -math.inf)
+
+
+def _attend_to_cache(attn, q, k, v, cache_k, cache_v, pos, mask=None):
     """softmax over [cached keys < pos | own key] of q·k/sqrt(D), then the matching values."""
-    g = q.graph
     t = cache_k.shape[2]
     scale = 1.0 / math.sqrt(attn.head_width)
     s_cache = (q @ ops.swapaxes(cache_k, -1, -2)) * scale            # [B, H, 1, T]
     s_self = ops.sum(q * k, axis=-1, keepdims=True) * scale          # [B, H, 1, 1]
-    visible = ops.less(g.const(np.arange(t, dtype=np.int64)), pos)    # [T]: j < pos
-    s_cache = s_cache + ops.where(visible, 0.0, -math.inf)
+    s_cache = s_cache + (mask if mask is not None else _cache_mask(pos, t))
     p = ops.softmax(ops.concat([s_cache, s_self], axis=-1), -1)       # [B, H, 1, T+1]
     return p[..., :t] @ cache_v + p[..., t:] * v
 
@@ -117,8 +121,9 @@ def _build_graph(model, batch_size, length):
     positions = ops.reshape(pos, (1,)) if pos is not None else None
     x = _embed(model, tokens, positions)
     writes: list[Tensor] = []
+    mask = _cache_mask(pos, c.context_length) if pos is not None else None
     for i, block in enumerate(model.blocks):
-        x = _block_cached(block, x, caches[2 * i], caches[2 * i + 1], pos, writes)
+        x = _block_cached(block, x, caches[2 * i], caches[2 * i + 1], pos, writes, mask)
     return g, _head(model, x), writes
 
 
