@@ -232,16 +232,16 @@ def _gelu(node, out, ins, scratch):
     if node.attrs["approximate"] == "tanh":
         c, k = _s(GELU_C, dt), _s(GELU_K, dt)
 
-        def body(x, out):  # 0.5*x*(1 + tanh(C*(x + K*x*x*x)))
-            np.multiply(k, x, out=out)
-            np.multiply(out, x, out=out)
-            np.multiply(out, x, out=out)
-            np.add(x, out, out=out)
-            np.multiply(c, out, out=out)
-            np.tanh(out, out=out)
-            np.add(one, out, out=out)
-            np.multiply(out, x, out=out)    # (0.5*x)*t == (x*t)*0.5 exactly
-            np.multiply(out, half, out=out)
+        def body(x, out):  # 0.5*x*(1 + tanh(C*(x + K*x*x*x))); out positional: see _ufunc_kernel
+            np.multiply(k, x, out)
+            np.multiply(out, x, out)
+            np.multiply(out, x, out)
+            np.add(x, out, out)
+            np.multiply(c, out, out)
+            np.tanh(out, out)
+            np.add(one, out, out)
+            np.multiply(out, x, out)    # (0.5*x)*t == (x*t)*0.5 exactly
+            np.multiply(out, half, out)
         return _blocked(body, [x, out])
     r2 = _s(1 / math.sqrt(2.0), dt)
 
@@ -668,10 +668,10 @@ def _softmax(node, out, ins, scratch):
 
     def body(x, out, m):  # np.maximum.reduce / np.add.reduce: what np.max / np.sum call
         np.maximum.reduce(x, axis=ax, keepdims=True, out=m)
-        np.subtract(x, m, out=out)
-        np.exp(out, out=out)
+        np.subtract(x, m, out)
+        np.exp(out, out)
         np.add.reduce(out, axis=ax, keepdims=True, out=m)
-        np.divide(out, m, out=out)
+        np.divide(out, m, out)
     return _by_rows(node, axis, body, [x, out, m])
 
 
@@ -803,10 +803,10 @@ def _softmax_fused(node, out, ins, scratch):
             np.copyto(out, fill, where=above)
             src = out
         np.maximum.reduce(src, axis=-1, keepdims=True, out=m)
-        np.subtract(src, m, out=out)
-        np.exp(out, out=out)
+        np.subtract(src, m, out)
+        np.exp(out, out)
         np.add.reduce(out, axis=-1, keepdims=True, out=m)
-        np.divide(out, m, out=out)
+        np.divide(out, m, out)
     return _matrices(body, [x, out, m], node.shape)
 
 
