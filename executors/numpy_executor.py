@@ -224,6 +224,17 @@ def _where(node, out, ins, scratch):
     return run
 
 
+def _gelu_tanh(x, work, t, c, k):
+    """t = tanh(C*(x + K*x*x*x)), the one tanh of every tanh-GELU kernel, in the reference's
+    order; `work` holds the argument (it may be `t` itself)."""
+    np.multiply(k, x, work)
+    np.multiply(work, x, work)
+    np.multiply(work, x, work)
+    np.add(x, work, work)
+    np.multiply(c, work, work)
+    np.tanh(work, t)
+
+
 @kernel("gelu")
 def _gelu(node, out, ins, scratch):
     (x,) = ins
@@ -233,12 +244,7 @@ def _gelu(node, out, ins, scratch):
         c, k = _s(GELU_C, dt), _s(GELU_K, dt)
 
         def body(x, out):  # 0.5*x*(1 + tanh(C*(x + K*x*x*x))); out positional: see _ufunc_kernel
-            np.multiply(k, x, out)
-            np.multiply(out, x, out)
-            np.multiply(out, x, out)
-            np.add(x, out, out)
-            np.multiply(c, out, out)
-            np.tanh(out, out)
+            _gelu_tanh(x, out, out, c, k)
             np.add(one, out, out)
             np.multiply(out, x, out)    # (0.5*x)*t == (x*t)*0.5 exactly
             np.multiply(out, half, out)
@@ -270,12 +276,7 @@ def _gelu_backward(node, out, ins, scratch):
 
         def body(x, g, out, t, b):
             # t = tanh(C*(x + K*x*x*x))
-            np.multiply(k, x, out=t)
-            np.multiply(t, x, out=t)
-            np.multiply(t, x, out=t)
-            np.add(x, t, out=t)
-            np.multiply(c, t, out=t)
-            np.tanh(t, out=t)
+            _gelu_tanh(x, t, t, c, k)
             # b = 0.5*x*(1 - t*t)
             np.multiply(t, t, out=b)
             np.subtract(one, b, out=b)
@@ -361,12 +362,7 @@ def _gelu_keep_tanh(node, out, ins, scratch):
     half, one, c, k = _s(0.5, dt), _s(1.0, dt), _s(GELU_C, dt), _s(GELU_K, dt)
 
     def body(x, out, t):  # the gelu kernel's arithmetic, with the tanh kept in t
-        np.multiply(k, x, out=out)
-        np.multiply(out, x, out=out)
-        np.multiply(out, x, out=out)
-        np.add(x, out, out=out)
-        np.multiply(c, out, out=out)
-        np.tanh(out, out=t)
+        _gelu_tanh(x, out, t, c, k)
         np.add(one, t, out=out)
         np.multiply(out, x, out=out)
         np.multiply(out, half, out=out)
