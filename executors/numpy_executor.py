@@ -47,6 +47,7 @@ from typing import Callable, Sequence
 import numpy as np
 from scipy import special
 
+from graphlm.ops import norm_parts
 from graphlm.random import GOLDEN, MASK64, MIX1, MIX2, dropout_keep_scale, stream_base
 from graphlm.registry import REGISTRY
 
@@ -854,14 +855,6 @@ def _log_softmax_backward(node, out, ins, scratch):
     return run
 
 
-def _norm_split(node, arrays):
-    arrays = list(arrays)
-    x = arrays.pop(0)
-    w = arrays.pop(0) if node.attrs.get("has_weight") else None
-    b = arrays.pop(0) if node.attrs.get("has_bias") else None
-    return x, w, b, arrays
-
-
 def _rows(node):
     return node.shape[:-1] + (1,)
 
@@ -869,7 +862,7 @@ def _rows(node):
 @kernel("layer_norm", inplace=(0,),
         scratch=lambda node, pos: [(node.shape, node.dtype), (_rows(node), node.dtype), (_rows(node), node.dtype)])
 def _layer_norm(node, out, ins, scratch):
-    x, w, b, _ = _norm_split(node, ins)
+    x, w, b, _ = norm_parts(ins, node.attrs)
     sq, m, v = scratch
     eps = _s(node.attrs["eps"], node.dtype)
 
@@ -969,7 +962,7 @@ def _layer_norm_keep_scratch(node, pos):
 
 @kernel("layer_norm_keep", scratch=_layer_norm_keep_scratch)
 def _layer_norm_keep(node, out, ins, scratch):
-    x, w, b, _ = _norm_split(node, ins)
+    x, w, b, _ = norm_parts(ins, node.attrs)
     sq, m, *kept = scratch
     a = node.attrs
     slot = a["slot"]
@@ -1029,7 +1022,7 @@ def _last_and_first(node):
 @kernel("layer_norm_backward", inplace=_last_and_first,
         scratch=lambda node, pos: [(node.shape, node.dtype)] * 2 + [(_rows(node), node.dtype)] * 4)
 def _layer_norm_backward(node, out, ins, scratch):
-    x, w, _, (g,) = _norm_split(node, ins)
+    x, w, _, (g,) = norm_parts(ins, node.attrs)
     xhat, gh, m, r, m1, m2 = scratch
     eps, one = _s(node.attrs["eps"], node.dtype), _s(1.0, node.dtype)
 
@@ -1064,7 +1057,7 @@ def _layer_norm_backward_from_xhat(xhat, r, g, w, out, gh, m1, m2):
 @kernel("rms_norm", inplace=(0,),
         scratch=lambda node, pos: ([(node.shape, node.dtype)] if pos is not None else []) + [(_rows(node), node.dtype)])
 def _rms_norm(node, out, ins, scratch):
-    x, w, _, _ = _norm_split(node, ins)
+    x, w, _, _ = norm_parts(ins, node.attrs)
     sq, v = (scratch if len(scratch) == 2 else (out, scratch[0]))
     eps = _s(node.attrs["eps"], node.dtype)
 
@@ -1082,7 +1075,7 @@ def _rms_norm(node, out, ins, scratch):
 @kernel("rms_norm_backward", inplace=_last_and_first,
         scratch=lambda node, pos: [(node.shape, node.dtype)] * 2 + [(_rows(node), node.dtype)] * 3)
 def _rms_norm_backward(node, out, ins, scratch):
-    x, w, _, (g,) = _norm_split(node, ins)
+    x, w, _, (g,) = norm_parts(ins, node.attrs)
     t, gh, r, r3, m = scratch
     eps, one = _s(node.attrs["eps"], node.dtype), _s(1.0, node.dtype)
 

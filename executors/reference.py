@@ -11,6 +11,7 @@ from typing import Callable
 import numpy as np
 from scipy import special
 
+from graphlm.ops import norm_parts
 from graphlm.random import dropout_keep_scale
 from graphlm.ir import Tensor
 
@@ -137,17 +138,9 @@ def log_softmax_backward(node, y, g):
     return g - np.exp(y) * np.sum(g, axis=node.attrs["axis"], keepdims=True)
 
 
-def _norm_args(node, arrays):
-    arrays = list(arrays)
-    x = arrays.pop(0)
-    w = arrays.pop(0) if node.attrs.get("has_weight") else None
-    b = arrays.pop(0) if node.attrs.get("has_bias") else None
-    return x, w, b, arrays
-
-
 @kernel("layer_norm")
 def layer_norm(node, *arrays):
-    x, w, b, _ = _norm_args(node, arrays)
+    x, w, b, _ = norm_parts(arrays, node.attrs)
     xc = x - np.mean(x, axis=-1, keepdims=True)
     y = xc / np.sqrt(np.mean(xc * xc, axis=-1, keepdims=True) + _s(node.attrs["eps"], x))
     if w is not None:
@@ -159,7 +152,7 @@ def layer_norm(node, *arrays):
 
 @kernel("layer_norm_backward")
 def layer_norm_backward(node, *arrays):
-    x, w, _, (g,) = _norm_args(node, arrays)
+    x, w, _, (g,) = norm_parts(arrays, node.attrs)
     xc = x - np.mean(x, axis=-1, keepdims=True)
     r = _s(1.0, x) / np.sqrt(np.mean(xc * xc, axis=-1, keepdims=True) + _s(node.attrs["eps"], x))
     xhat = xc * r
@@ -169,14 +162,14 @@ def layer_norm_backward(node, *arrays):
 
 @kernel("rms_norm")
 def rms_norm(node, *arrays):
-    x, w, _, _ = _norm_args(node, arrays)
+    x, w, _, _ = norm_parts(arrays, node.attrs)
     y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + _s(node.attrs["eps"], x))
     return y * w if w is not None else y
 
 
 @kernel("rms_norm_backward")
 def rms_norm_backward(node, *arrays):
-    x, w, _, (g,) = _norm_args(node, arrays)
+    x, w, _, (g,) = norm_parts(arrays, node.attrs)
     r = _s(1.0, x) / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + _s(node.attrs["eps"], x))
     gh = g * w if w is not None else g
     return r * gh - x * (r * r * r) * np.mean(gh * x, axis=-1, keepdims=True)

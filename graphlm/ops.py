@@ -827,8 +827,9 @@ def _axis_attr(x, axis, op):
 
 
 # --- layer_norm / rms_norm -------------------------------------------------------------------------
-def _norm_parts(inputs, attrs):
-    """Split a norm node's inputs into (x, weight|None, bias|None, rest)."""
+def norm_parts(inputs, attrs):
+    """Split a norm node's inputs (tensors, or the arrays an executor holds for them) into
+    (x, weight|None, bias|None, rest) by its has_weight/has_bias attrs."""
     x, k = inputs[0], 1
     w = b = None
     if attrs.get("has_weight"):
@@ -839,7 +840,7 @@ def _norm_parts(inputs, attrs):
 
 
 def _infer_norm(inputs, attrs):
-    x, w, b, rest = _norm_parts(inputs, attrs)
+    x, w, b, rest = norm_parts(inputs, attrs)
     _require_float(x)
     if x.ndim == 0:
         raise ShapeError("needs at least 1-d input, got a scalar")
@@ -857,7 +858,7 @@ def _lead_axes(x):
 
 
 def _layer_norm_decompose(*inputs, eps, has_weight, has_bias):
-    x, w, b, _ = _norm_parts(inputs, dict(has_weight=has_weight, has_bias=has_bias))
+    x, w, b, _ = norm_parts(inputs, dict(has_weight=has_weight, has_bias=has_bias))
     xc = x - mean(x, -1, keepdims=True)
     y = xc * rsqrt(mean(square(xc), -1, keepdims=True) + eps)
     if w is not None:
@@ -868,7 +869,7 @@ def _layer_norm_decompose(*inputs, eps, has_weight, has_bias):
 
 
 def _layer_norm_backward_decompose(*inputs, eps, has_weight, has_bias=False):
-    x, w, _, (g,) = _norm_parts(inputs, dict(has_weight=has_weight))
+    x, w, _, (g,) = norm_parts(inputs, dict(has_weight=has_weight))
     xc = x - mean(x, -1, keepdims=True)
     r = rsqrt(mean(square(xc), -1, keepdims=True) + eps)
     xhat = xc * r
@@ -877,7 +878,7 @@ def _layer_norm_backward_decompose(*inputs, eps, has_weight, has_bias=False):
 
 
 def _layer_norm_vjp(y, g):
-    x, w, b, _ = _norm_parts(y.inputs, y.attrs)
+    x, w, b, _ = norm_parts(y.inputs, y.attrs)
     eps = y.attrs["eps"]
     dx = apply("layer_norm_backward", (x,) + ((w,) if w is not None else ()) + (g,),
                eps=eps, has_weight=w is not None)
@@ -905,20 +906,20 @@ def layer_norm(x, weight=None, bias=None, eps: float = 1e-5) -> Tensor:
 
 
 def _rms_norm_decompose(*inputs, eps, has_weight, has_bias=False):
-    x, w, _, _ = _norm_parts(inputs, dict(has_weight=has_weight))
+    x, w, _, _ = norm_parts(inputs, dict(has_weight=has_weight))
     y = x * rsqrt(mean(square(x), -1, keepdims=True) + eps)
     return y * w if w is not None else y
 
 
 def _rms_norm_backward_decompose(*inputs, eps, has_weight, has_bias=False):
-    x, w, _, (g,) = _norm_parts(inputs, dict(has_weight=has_weight))
+    x, w, _, (g,) = norm_parts(inputs, dict(has_weight=has_weight))
     r = rsqrt(mean(square(x), -1, keepdims=True) + eps)
     gh = g * w if w is not None else g
     return r * gh - x * (r * r * r) * mean(gh * x, -1, keepdims=True)
 
 
 def _rms_norm_vjp(y, g):
-    x, w, _, _ = _norm_parts(y.inputs, y.attrs)
+    x, w, _, _ = norm_parts(y.inputs, y.attrs)
     eps = y.attrs["eps"]
     dx = apply("rms_norm_backward", (x,) + ((w,) if w is not None else ()) + (g,),
                eps=eps, has_weight=w is not None)
