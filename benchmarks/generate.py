@@ -129,14 +129,15 @@ def main(argv=None) -> int:
     ap.add_argument("--checkpoint", help="weights from a training checkpoint (default: TinyLM init, seed 0)")
     ap.add_argument("--prompt-length", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=100)
-    ap.add_argument("--threads", type=int, default=1, help="BLAS / torch threads (default 1)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="graphlm executor threads (BLAS on one) and torch threads (default 1)")
     ap.add_argument("--repeats", type=int, default=3, help="runs per variant; the median per-token time is kept")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args(argv)
 
     import torch
-    from tools.train_cli import set_blas_threads
-    set_blas_threads(args.threads)
+    from executors import numpy_executor
+    numpy_executor.set_threads(args.threads)
     torch.set_num_threads(args.threads)
 
     if args.checkpoint:

@@ -47,7 +47,6 @@ from graphlm.nn import DROPOUT_KEY  # noqa: E402
 from graphlm.optim import AdamW  # noqa: E402
 from graphlm.random import dropout_keep_scale  # noqa: E402
 from tools.params import flops_per_token  # noqa: E402
-from tools.train_cli import set_blas_threads  # noqa: E402
 
 LR, WEIGHT_DECAY, CLIP = 1e-3, 0.01, 1.0
 LOSS_TOLERANCE = 1e-4
@@ -340,9 +339,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=15, help="timed steps per framework and batch")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1,
-                    help="threads for each framework: graphlm's BLAS and blocked kernels, torch's "
-                         "intra-op pool (default 1: on the shared 2-core machine 2 threads often "
-                         "thrash for both frameworks)")
+                    help="threads for each framework: the numpy executor's (it splits large kernels "
+                         "itself, BLAS on one thread), torch's intra-op pool (default 1)")
     ap.add_argument("--gap", type=float, default=0.25,
                     help="seconds of sleep before each timed step: OpenBLAS's and torch's idle "
                          "threads spin for a while after a call and would steal the other's cores")
@@ -354,8 +352,7 @@ def main(argv=None) -> int:
     ap.add_argument("--child", choices=["graphlm", "torch"], help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     THREADS = args.threads
-    set_blas_threads(args.threads)
-    numpy_executor.set_threads(min(args.threads, 2))
+    numpy_executor.set_threads(args.threads)   # graphlm: the executor's threads, BLAS on one
     config = GPTConfig.preset("tinylm")
 
     if args.child:
@@ -372,7 +369,9 @@ def main(argv=None) -> int:
 
     import torch
     torch.set_num_threads(args.threads)
+    numpy_executor.set_blas_threads(args.threads)   # the peak: one np.matmul on all the threads
     peak = matmul_peak()
+    numpy_executor.set_threads(args.threads)
     check = loss_check(config, min(args.batches), torch)
     rows = [time_batch(config, b, args.steps, args.warmup, torch, peak, args.gap) for b in args.batches]
     result = {"benchmark": "train_step", "config": config.to_dict(), "threads": args.threads,

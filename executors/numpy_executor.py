@@ -38,6 +38,7 @@ kernels run block by block (`_blocked`, `BLOCK` elements) so their passes hit ca
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 import time
@@ -98,38 +99,123 @@ def _flat(arr: np.ndarray, shape) -> np.ndarray | None:
 BLOCK = 1 << 16   # elements per cache block (256 KiB of float32)
 SMALL = 4096    # elements: at most this, kernels take a short path with the fewest NumPy calls (decoding)
 
+
+# == threads =========================================================================================
+# The executor splits its large kernels over `set_threads(n)` threads itself (NumPy and BLAS
+# release the GIL while they compute): matmuls by batch entries or row blocks, blocked kernels
+# by blocks, row-wise kernels (layer norm) by rows, AdamW by parameter chunks, dropout masks by
+# element ranges. Every piece computes exactly what it computes on one thread, so results do not
+# depend on the thread count. With more than one thread, BLAS itself runs single-threaded.
+
 _workers = {"threads": 1, "pool": None}
+
+ROW_QUANTUM = 48            # matmul row blocks are multiples of this (see _matmul_parts)
+MIN_SPLIT_FLOPS = 1 << 22   # a matmul below this (~50 us on one core) is not split
+MIN_SPLIT_ROWS = 1 << 16    # elements: a row-wise kernel below this is not split
+
+
+def set_blas_threads(n: int) -> bool:
+    """Set the thread count of the OpenBLAS NumPy is linked against, at run time. Returns False
+    when no OpenBLAS is loaded in this process (another BLAS keeps its own setting)."""
+    if n <= 0:
+        return False
+    try:
+        with open("/proc/self/maps") as f:
+            libs = sorted({line.split()[-1] for line in f if "openblas" in line.lower() and "/" in line})
+    except OSError:
+        return False
+    for path in libs:
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for name in ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_",
+                     "openblas_set_num_threads"):
+            fn = getattr(lib, name, None)
+            if fn is not None:
+                fn(ctypes.c_int(n))
+                return True
+    return False
 
 
 def set_threads(n: int) -> None:
-    """Run the blocks of blocked kernels on `n` threads (1 or 2; NumPy releases the GIL inside
-    its loops). Results do not depend on it: every block is computed the same way. Default 1
-    (BLAS threads are set separately, e.g. tools.train_cli.set_blas_threads)."""
-    if n not in (1, 2):
-        raise ValueError(f"numpy executor: threads must be 1 or 2, got {n}")
-    _workers["threads"] = n
-    if n > 1 and _workers["pool"] is None:
-        from concurrent.futures import ThreadPoolExecutor
-        _workers["pool"] = ThreadPoolExecutor(1, thread_name_prefix="graphlm-numpy")
+    """Run the executor's large kernels on `n` threads and BLAS on one (the executor splits
+    products itself; OpenBLAS's own workers spin for a while after every call and would fight
+    its threads for the cores). Until called, the executor uses one thread and leaves BLAS as it
+    is. Results do not depend on n."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"numpy executor: threads must be a positive int, got {n!r}")
+    if n != _workers["threads"]:
+        if _workers["pool"] is not None:
+            _workers["pool"].shutdown()
+        pool = None
+        if n > 1:
+            from concurrent.futures import ThreadPoolExecutor
+            pool = ThreadPoolExecutor(n - 1, thread_name_prefix="graphlm-numpy")
+        _workers["threads"], _workers["pool"] = n, pool
+    set_blas_threads(1)
+
+
+def get_threads() -> int:
+    return _workers["threads"]
+
+
+def _cuts(total: int, n: int, quantum: int = 1) -> list[tuple[int, int]]:
+    """[start, stop) ranges cutting range(total) into at most n contiguous pieces as even as
+    possible, every boundary a multiple of `quantum`."""
+    units = -(-total // quantum)
+    bounds = sorted({min(total, (units * i // n) * quantum) for i in range(n + 1)})
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _parallel(parts) -> None:
+    """Run the callables `parts` at once: the first on this thread, the others on the pool.
+    Waits for all of them (they write planned memory) before raising any error."""
+    jobs = [_workers["pool"].submit(p) for p in parts[1:]]
+    try:
+        parts[0]()
+    finally:
+        for job in jobs:
+            job.result()
+
+
+def _threaded(whole, split):
+    """A closure running ``whole()`` on one thread, or on n threads the callables ``split(n)``
+    returns (built once per n; fewer than two means run whole)."""
+    cache: dict[int, list] = {}
+
+    def run():
+        n = _workers["threads"]
+        if n == 1:
+            return whole()
+        parts = cache.get(n)
+        if parts is None:
+            parts = cache[n] = split(n)
+        if len(parts) < 2:
+            return whole()
+        _parallel(parts)
+    return run
 
 
 def _run_blocks(body, blocks):
-    """A closure running body over every block, split over the worker threads at run time."""
-    half = (len(blocks) + 1) // 2
-    first, second = blocks[:half], blocks[half:]
-
+    """A closure running body over every block, the blocks split into contiguous runs per thread."""
     def run_all(part):
         for block in part:
             body(*block)
+    return _threaded(functools.partial(run_all, blocks),
+                     lambda n: [functools.partial(run_all, blocks[a:b]) for a, b in _cuts(len(blocks), n)])
 
-    def run():
-        if _workers["threads"] > 1 and second:
-            job = _workers["pool"].submit(run_all, second)
-            run_all(first)
-            job.result()
-        else:
-            run_all(blocks)
-    return run
+
+def _rowwise(body, arrays, rows: int):
+    """A closure running ``body(*arrays)``, on n threads over n contiguous row ranges (each array
+    viewed as (rows, -1): full arrays and keepdims row statistics alike). For kernels whose
+    passes are cheaper on whole arrays than on cache blocks (layer norm's rows of ~200)."""
+    whole = functools.partial(body, *arrays)
+    views = [_flat(a, (rows, -1)) for a in arrays]
+    if arrays[0].size < MIN_SPLIT_ROWS or any(v is None for v in views):
+        return whole
+    return _threaded(whole, lambda n: [functools.partial(body, *(v[a:b] for v in views))
+                                       for a, b in _cuts(rows, n)])
 
 
 def _blocked(body, arrays, rows: int | None = None):
@@ -431,10 +517,51 @@ def _slice_backward(node, out, ins, scratch):
     return run
 
 
+def _matmul_parts(a, b, out, n):
+    """[(a_i, b_i, out_i)]: ``a @ b -> out`` cut into at most n products along out's largest
+    batch axis or along blocks of rows, whichever balances better (a batch cut on a tie: it
+    leaves every GEMM as it was). Row blocks are multiples of ROW_QUANTUM = 48 rows, a multiple of
+    OpenBLAS's sgemm register tile (16 or 24 rows on x86), so a cut product rounds exactly as the
+    whole (tests/test_fast_kernels.py checks it bit for bit)."""
+    if a.ndim < 2 or b.ndim < 2:
+        return []
+    options = []   # (largest piece / total, prefer, axis of out, cuts)
+    for axis in range(out.ndim - 2):
+        if out.shape[axis] > 1:
+            cuts = _cuts(out.shape[axis], n)
+            options.append((max(e - s for s, e in cuts) / out.shape[axis], 0, axis, cuts))
+    m = out.shape[-2]
+    if m > ROW_QUANTUM:
+        cuts = _cuts(m, n, ROW_QUANTUM)
+        options.append((max(e - s for s, e in cuts) / m, 1, out.ndim - 2, cuts))
+    if not options:
+        return []
+    _, _, axis, cuts = min(options)
+
+    def cut(arr, s, e):   # arr's piece along out's `axis` (a broadcast or missing axis stays whole)
+        k = axis - (out.ndim - arr.ndim)
+        if k < 0 or arr.shape[k] == 1:
+            return arr
+        index = [slice(None)] * arr.ndim
+        index[k] = slice(s, e)
+        return arr[tuple(index)]
+    rows = axis == out.ndim - 2
+    return [(cut(a, s, e), b if rows else cut(b, s, e), cut(out, s, e)) for s, e in cuts]
+
+
+def _matmul_closure(a, b, out):
+    """np.matmul(a, b, out), split over the executor's threads when the product is large."""
+    whole = functools.partial(np.matmul, a, b, out)   # out positional: see _ufunc_kernel
+    batch = int(np.prod(out.shape[:-2], dtype=np.int64)) if out.ndim > 2 else 1
+    if a.ndim < 2 or b.ndim < 2 or 2 * batch * out.shape[-2] * a.shape[-1] * out.shape[-1] < MIN_SPLIT_FLOPS:
+        return whole
+    return _threaded(whole, lambda n: [functools.partial(np.matmul, *p) for p in _matmul_parts(a, b, out, n)])
+
+
 @kernel("matmul")
 def _matmul(node, out, ins, scratch):
     # (folding the batch into the rows of one product is not faster here and changes rounding)
-    return functools.partial(np.matmul, ins[0], ins[1], out)   # out positional: see _ufunc_kernel
+    return _matmul_closure(ins[0], ins[1], out)
 
 
 class FusedNode:
@@ -504,7 +631,7 @@ def fuse_matmul_sums(nodes, outputs, protos):
 @kernel("matmul_sum")
 def _matmul_sum(node, out, ins, scratch):
     a2, b2, shape = _matmul_sum_operands(ins[0], ins[1], node.attrs["axes"])
-    return functools.partial(np.matmul, a2, b2, out=np.reshape(out, shape, copy=False))
+    return _matmul_closure(a2, b2, np.reshape(out, shape, copy=False))
 
 
 def assemble_slice_gradients(nodes, outputs):
@@ -902,7 +1029,7 @@ def _layer_norm(node, out, ins, scratch):
             np.multiply(out, w, out=out)
         if b is not None:
             np.add(out, b, out=out)
-    return functools.partial(body, x, out, sq, m, v)   # (blocking rows measured no faster here)
+    return _rowwise(body, [x, out, sq, m, v], node.size // node.shape[-1])   # (cache blocks of rows measured no faster)
 
 
 class _SavedNorm:
@@ -970,10 +1097,10 @@ def _layer_norm_keep(node, out, ins, scratch):
     # xc, sv (and xhat) are planned in the arena, live until the last node that reads them
     slot.xc, slot.sv = kept[0], kept[1]
     slot.xhat = kept[2] if a["keep_xhat"] else None
-    xc, v = slot.xc, slot.sv
-    xhat = out if slot.xhat is None else slot.xhat
+    separate = slot.xhat is not None
+    xhat_or_out = slot.xhat if separate else out
 
-    def run():  # the layer_norm kernel's arithmetic, keeping xc, sv and xhat
+    def body(x, out, sq, m, xc, v, xhat):  # the layer_norm kernel's arithmetic, keeping xc, sv and xhat
         _mean_last(x, m)
         np.subtract(x, m, out=xc)
         np.multiply(xc, xc, out=sq)
@@ -987,10 +1114,9 @@ def _layer_norm_keep(node, out, ins, scratch):
             y = out
         if b is not None:
             np.add(y, b, out=out)
-            y = out
-        if y is not out:
-            np.copyto(out, y)
-    return run
+        elif w is None and separate:   # (views of one array are distinct objects: no `is` test)
+            np.copyto(out, xhat)
+    return _rowwise(body, [x, out, sq, m, slot.xc, slot.sv, xhat_or_out], node.size // node.shape[-1])
 
 
 @kernel("layer_norm_kept")
@@ -1005,14 +1131,13 @@ def _layer_norm_backward_kept(node, out, ins, scratch):
     w, g = (ins[0] if node.attrs.get("has_weight") else None), ins[-1]   # inputs: [w], [b], g
     xhat, gh, r, m1, m2 = scratch
     slot = node.attrs["slot"]
-    xc, sv = slot.xc, slot.sv
     one = _s(1.0, node.dtype)
 
-    def run():  # the layer_norm_backward kernel's arithmetic, from the kept xc and sv
+    def body(xc, sv, g, out, xhat, gh, r, m1, m2):  # layer_norm_backward's arithmetic from kept xc, sv
         np.divide(one, sv, out=r)
         np.multiply(xc, r, out=xhat)
         _layer_norm_backward_from_xhat(xhat, r, g, w, out, gh, m1, m2)
-    return run
+    return _rowwise(body, [slot.xc, slot.sv, g, out, xhat, gh, r, m1, m2], node.size // node.shape[-1])
 
 
 def _last_and_first(node):
@@ -1036,7 +1161,7 @@ def _layer_norm_backward(node, out, ins, scratch):
         np.divide(one, r, out=r)
         np.multiply(xhat, r, out=xhat)
         _layer_norm_backward_from_xhat(xhat, r, g, w, out, gh, m1, m2)
-    return functools.partial(body, x, g, out, xhat, gh, m, r, m1, m2)
+    return _rowwise(body, [x, g, out, xhat, gh, m, r, m1, m2], node.size // node.shape[-1])
 
 
 def _layer_norm_backward_from_xhat(xhat, r, g, w, out, gh, m1, m2):
@@ -1237,7 +1362,8 @@ _MASK_CHUNK = 1 << 15   # elements per pass when drawing a mask (uint64 temporar
 def keep_mask_drawer(shape, stream: int, p: float):
     """A function ``draw(key, mask)`` filling the boolean `mask` (of `shape`) with exactly
     ``graphlm.random.counter_uniform(key, stream, shape) >= float32(p)``, in cache-sized chunks
-    with preallocated temporaries (nothing allocated per call).
+    with preallocated temporaries (nothing allocated per call); on n executor threads, n
+    element ranges at once (each element's value depends only on its index).
 
     ``u = (mix64(base + (i+1)*golden) >> 40) * 2^-24 >= p`` is the integer test
     ``mix64(...) >= ceil(float32(p) * 2^24) << 40`` (u is k * 2^-24 exactly, k < 2^24)."""
@@ -1245,16 +1371,13 @@ def keep_mask_drawer(shape, stream: int, p: float):
     c = min(n, _MASK_CHUNK)
     with np.errstate(over="ignore"):
         steps = np.arange(1, c + 1, dtype=np.uint64) * np.uint64(GOLDEN)
-    z, t = np.empty(c, np.uint64), np.empty(c, np.uint64)
     threshold = np.uint64(math.ceil(float(np.float32(p)) * 2 ** 24) << 40)
     m1, m2 = np.uint64(MIX1), np.uint64(MIX2)
     s30, s27, s31 = np.uint64(30), np.uint64(27), np.uint64(31)
 
-    def draw(key: int, mask: np.ndarray) -> None:
-        flat = mask.reshape(-1)
-        base = stream_base(key, stream)
-        for start in range(0, n, c):
-            k = min(c, n - start)
+    def draw_range(base, flat, lo, hi, z, t):
+        for start in range(lo, hi, c):
+            k = min(c, hi - start)
             zk, tk = z[:k], t[:k]
             np.add(steps[:k], np.uint64((base + start * GOLDEN) & MASK64), out=zk)
             np.right_shift(zk, s30, out=tk)
@@ -1266,6 +1389,20 @@ def keep_mask_drawer(shape, stream: int, p: float):
             np.right_shift(zk, s31, out=tk)
             np.bitwise_xor(zk, tk, out=zk)
             np.greater_equal(zk, threshold, out=flat[start:start + k])
+
+    ranges: dict[int, list] = {}   # threads -> [(lo, hi, z, t)], temporaries per range
+
+    def draw(key: int, mask: np.ndarray) -> None:
+        flat, base = mask.reshape(-1), stream_base(key, stream)
+        threads = _workers["threads"] if n >= 2 * _MASK_CHUNK else 1
+        if threads not in ranges:
+            ranges[threads] = [(lo, hi, np.empty(c, np.uint64), np.empty(c, np.uint64))
+                               for lo, hi in _cuts(n, threads, c)]
+        parts = [functools.partial(draw_range, base, flat, *r) for r in ranges[threads]]
+        if len(parts) == 1:
+            parts[0]()
+        else:
+            _parallel(parts)
     return draw
 
 
@@ -1541,21 +1678,21 @@ def _adamw_update(node, out, ins, scratch):
             sl = slice(s0, min(p.size, s0 + _ADAMW_CHUNK))
             pieces.append(tuple(f[sl] for f in flats) + (wd, p.dtype, sl.stop - sl.start))
 
-    def run():
-        t = int(step_a)
-        if t < 1:
-            raise ExecutionError(f"{node_where(node)}: the step count must be >= 1, got {t}")
-        lr = float(lr_a)
-        step_size = lr / (1.0 - b1 ** t)
-        bc2_sqrt = math.sqrt(1.0 - b2 ** t)
-        consts = {}
-        for p, grad, m, v, wd, dt, n in pieces:
-            c = consts.get((dt, wd))
-            if c is None:
-                c = consts[(dt, wd)] = (
-                    coef_a.astype(dt), _s(1.0 - lr * wd, dt), _s(b1, dt), _s(1.0 - b1, dt),
-                    _s(b2, dt), _s(1.0 - b2, dt), _s(bc2_sqrt, dt), _s(eps, dt), _s(step_size, dt))
-            coef, decay, sb1, cb1, sb2, cb2, sbc2, seps, sstep = c
+    keys = sorted({(pc[5].str, pc[4]) for pc in pieces})
+    groups: dict[int, list] = {}   # threads -> [(pieces, buf1, buf2)]: contiguous runs of equal size
+
+    def groups_for(n):
+        if n not in groups:
+            sizes = np.cumsum([pc[0].size for pc in pieces])
+            cuts = [0] + [int(np.searchsorted(sizes, sizes[-1] * i / n)) + 1 for i in range(1, n)] + [len(pieces)]
+            cuts = sorted(set(min(c, len(pieces)) for c in cuts))
+            groups[n] = [(pieces[a:b], *((buf1, buf2) if k == 0 else (np.empty_like(buf1), np.empty_like(buf2))))
+                         for k, (a, b) in enumerate(zip(cuts[:-1], cuts[1:]))]
+        return groups[n]
+
+    def update(part, buf1, buf2, consts):
+        for p, grad, m, v, wd, dt, n in part:
+            coef, decay, sb1, cb1, sb2, cb2, sbc2, seps, sstep = consts[(dt.str, wd)]
             if n is None:   # not flat-able: whole-array temporaries (allocates)
                 g, tmp = np.empty(p.shape, dt), np.empty(p.shape, dt)
             else:
@@ -1576,5 +1713,24 @@ def _adamw_update(node, out, ins, scratch):
             np.multiply(sstep, m, out=g)
             g /= tmp
             p -= g
+
+    def run():
+        t = int(step_a)
+        if t < 1:
+            raise ExecutionError(f"{node_where(node)}: the step count must be >= 1, got {t}")
+        lr = float(lr_a)
+        step_size = lr / (1.0 - b1 ** t)
+        bc2_sqrt = math.sqrt(1.0 - b2 ** t)
+        consts = {}
+        for dts, wd in keys:
+            dt = np.dtype(dts)
+            consts[(dts, wd)] = (
+                coef_a.astype(dt), _s(1.0 - lr * wd, dt), _s(b1, dt), _s(1.0 - b1, dt),
+                _s(b2, dt), _s(1.0 - b2, dt), _s(bc2_sqrt, dt), _s(eps, dt), _s(step_size, dt))
+        n = _workers["threads"]
+        if n == 1 or len(pieces) < 2:
+            update(pieces, buf1, buf2, consts)
+        else:
+            _parallel([functools.partial(update, part, g1, g2, consts) for part, g1, g2 in groups_for(n)])
         out[...] = 0.0
     return run

@@ -82,7 +82,7 @@ def test_gelu_backward_reuses_the_forward_tanh_float32_only(dtype):
 
 # -- cache blocking: multi-pass kernels run block by block, bit for bit as on whole arrays ----------------
 
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+@pytest.fixture(params=[1, 2, 3], ids=["1thread", "2threads", "3threads"])
 def threads(request):
     numpy_executor.set_threads(request.param)
     yield request.param
@@ -176,9 +176,130 @@ def test_scaled_causal_softmax_is_fused_and_bit_identical(monkeypatch, block, dt
         assert a.tobytes() == b.tobytes()
 
 
-def test_set_threads_rejects_other_counts():
-    with pytest.raises(ValueError, match="threads must be 1 or 2, got 3"):
-        numpy_executor.set_threads(3)
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_set_threads_rejects_what_is_not_a_positive_int(bad):
+    with pytest.raises(ValueError, match=f"threads must be a positive int, got {bad!r}"):
+        numpy_executor.set_threads(bad)
+    assert numpy_executor.get_threads() == 1
+
+
+# -- threads: kernels split over n threads compute what one thread computes, bit for bit ------------------
+
+@pytest.mark.parametrize("total,n,quantum", [(10, 2, 1), (10, 3, 1), (2, 3, 1), (128, 2, 48), (1000, 3, 48),
+                                             (48, 2, 48), (7, 1, 1)])
+def test_cuts_are_contiguous_even_and_on_the_quantum(total, n, quantum):
+    cuts = numpy_executor._cuts(total, n, quantum)
+    assert cuts[0][0] == 0 and cuts[-1][1] == total and len(cuts) <= n
+    assert all(a < b for a, b in cuts) and all(b == c for (_, b), (c, _) in zip(cuts, cuts[1:]))
+    assert all(a % quantum == 0 for a, _ in cuts)
+    sizes = [b - a for a, b in cuts]
+    assert max(sizes) - min(sizes) <= quantum or len(cuts) == 1
+
+
+@pytest.mark.parametrize("a_shape,b_shape", [
+    ((8, 128, 192), (192, 96)),         # batch cut: every GEMM as it was
+    ((1, 1000, 24), (3, 24, 40)),       # broadcast batch of 3 vs 1000 rows: rows cut (better balance)
+    ((300, 20), (20, 50)),              # 2-d: row blocks of 48
+    ((2, 3, 100, 16), (2, 3, 16, 100)),
+    ((5, 70, 8), (8, 9)),
+])
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_matmul_pieces_tile_the_output_and_round_as_the_whole(a_shape, b_shape, n):
+    rng = np.random.default_rng(7)
+    a = rng.standard_normal(a_shape).astype(np.float32)
+    b = rng.standard_normal(b_shape).astype(np.float32)
+    whole = np.matmul(a, b)
+    out = np.full_like(whole, np.nan)
+    cover = np.zeros(whole.shape, np.int64)
+    pieces = numpy_executor._matmul_parts(a, b, out, n)
+    assert 2 <= len(pieces) <= n
+    for pa, pb, po in pieces:
+        assert np.shares_memory(po, out)
+        np.matmul(pa, pb, po)
+        cover[np.isin(np.arange(out.size).reshape(out.shape), _flat_indices(out, po))] += 1
+    assert (cover == 1).all()                  # disjoint pieces covering the output exactly
+    assert out.tobytes() == whole.tobytes()
+
+
+def _flat_indices(base, view):
+    """Flat indices into `base` of the elements of `view` (a view of it)."""
+    idx = np.arange(base.size).reshape(base.shape)
+    offset = (view.__array_interface__["data"][0] - base.__array_interface__["data"][0]) // base.itemsize
+    return np.lib.stride_tricks.as_strided(idx.reshape(-1)[offset:], view.shape,
+                                           tuple(s // base.itemsize * idx.itemsize for s in view.strides))
+
+
+@pytest.fixture
+def split_everything(monkeypatch):
+    """Split every kernel that can be split, however small (the graphs of tests are small)."""
+    monkeypatch.setattr(numpy_executor, "MIN_SPLIT_FLOPS", 0)
+    monkeypatch.setattr(numpy_executor, "MIN_SPLIT_ROWS", 0)
+    monkeypatch.setattr(numpy_executor, "_MASK_CHUNK", 64)
+    monkeypatch.setattr(numpy_executor, "_ADAMW_CHUNK", 100)
+    monkeypatch.setattr(numpy_executor, "BLOCK", 500)
+    monkeypatch.setattr(numpy_executor, "ROW_QUANTUM", 24)   # still a multiple of the sgemm tile here
+
+
+def _train_two_steps(dropout: float):
+    """Two AdamW steps of a small GPT (dropout, clipping, weight decay) on the numpy executor:
+    (losses, grad norms, final state)."""
+    from graphlm.models import GPT, GPTConfig
+    from graphlm.optim import AdamW
+    cfg = GPTConfig(vocab_size=13, context_length=32, channels=48, head_count=2, layer_count=2, dropout=dropout)
+    model = GPT(cfg)
+    model.train()
+    g, loss = model.loss_graph(4, name="threads_step")
+    opt = AdamW(lr=1e-2, weight_decay=0.1, clip_norm=0.5)
+    step = opt.minimize(loss)
+    prog = NUMPY.compile(g, [loss, step.grad_norm, step.update])
+    state = {**model.init(seed=3), **opt.init_state()}
+    rng = np.random.default_rng(8)
+    losses, norms = [], []
+    for s in range(2):
+        feeds = {"tokens": rng.integers(0, 13, (4, 32)), "targets": rng.integers(0, 13, (4, 32)), **opt.feeds(s)}
+        if "dropout_key" in g.inputs:
+            feeds["dropout_key"] = np.asarray(100 + s, np.int64)
+        loss_v, norm_v, _ = prog.run(feeds, state)
+        losses.append(loss_v.tobytes())
+        norms.append(norm_v.tobytes())
+    return losses, norms, {k: v.tobytes() for k, v in state.items()}
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+@pytest.mark.parametrize("n", [2, 3])
+def test_training_steps_on_n_threads_are_bit_identical_to_one(split_everything, dropout, n):
+    """Matmuls (batch and row cuts), matmul_sums, layer norms, blocked GELU/softmax/dropout,
+    dropout masks drawn in ranges and AdamW in parameter groups, all split: the losses, norms and
+    every parameter and moment after two steps equal the one-thread run's bit for bit."""
+    numpy_executor.set_threads(1)
+    want = _train_two_steps(dropout)
+    try:
+        numpy_executor.set_threads(n)
+        got = _train_two_steps(dropout)
+    finally:
+        numpy_executor.set_threads(1)
+    assert got[0] == want[0] and got[1] == want[1]
+    assert got[2].keys() == want[2].keys()
+    assert [k for k in want[2] if got[2][k] != want[2][k]] == []
+
+
+def test_a_failing_piece_raises_after_every_piece_finished():
+    numpy_executor.set_threads(2)
+    done = []
+
+    def fail():
+        raise ValueError("piece failed")
+
+    def slow():
+        import time
+        time.sleep(0.05)
+        done.append(1)
+    try:
+        with pytest.raises(ValueError, match="piece failed"):
+            numpy_executor._parallel([fail, slow])
+        assert done == [1]
+    finally:
+        numpy_executor.set_threads(1)
 
 
 # -- embedding backward: flat np.add.at ----------------------------------------------------------------------

@@ -14,7 +14,6 @@ validation and checkpoint. On --resume, options not given on the command line co
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import math
 import signal
@@ -22,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from executors import numpy_executor
 from graphlm.train import CHECKPOINT_NAME, Trainer, TrainOptions, resume_options
 
 # command-line flag -> TrainOptions field (model fields go to TrainOptions.model)
@@ -65,8 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--layers", type=int)
     g.add_argument("--dropout", type=float)
     p.add_argument("--threads", type=int, default=1,
-                   help="BLAS threads (default 1: on a busy 2-core machine more threads spin "
-                        "against each other and run several times slower; 0 = OpenBLAS's choice)")
+                   help="threads of the numpy executor, which splits large kernels itself and runs "
+                        "BLAS on one thread (default 1; 0 = leave threading to OpenBLAS)")
     p.add_argument("--max-minutes", type=float, default=14.5,
                    help="stop (validate, save) after this much wall time (default: 14.5; 0 = no limit)")
     p.add_argument("--log-every", type=int, default=0,
@@ -75,27 +75,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tqdm bar, plain log lines, or bar only on a terminal (default: auto)")
 
 
-def set_blas_threads(n: int) -> bool:
-    """Set OpenBLAS's thread count at run time (NumPy's bundled OpenBLAS); False if not found."""
-    if n <= 0:
-        return False
-    try:
-        with open("/proc/self/maps") as f:
-            libs = sorted({line.split()[-1] for line in f if "openblas" in line.lower() and "/" in line})
-    except OSError:
-        return False
-    for path in libs:
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        for name in ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_",
-                     "openblas_set_num_threads"):
-            fn = getattr(lib, name, None)
-            if fn is not None:
-                fn(ctypes.c_int(n))
-                return True
-    return False
+def use_threads(n: int) -> None:
+    """--threads: n > 0 runs the numpy executor on n threads (BLAS on one); 0 leaves both alone."""
+    if n < 0:
+        raise ValueError(f"--threads must be >= 0, got {n}")
+    if n > 0:
+        numpy_executor.set_threads(n)
 
 
 def _explicit(args) -> dict:
@@ -110,7 +95,7 @@ def _explicit(args) -> dict:
 
 
 def run(args) -> int:
-    set_blas_threads(args.threads)
+    use_threads(args.threads)
     out_dir = Path(args.out)
     ckpt_path = out_dir / CHECKPOINT_NAME
     explicit = _explicit(args)
