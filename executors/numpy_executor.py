@@ -34,13 +34,15 @@ forward/backward pair, drawn once per run), `pair_gelu_backward` and `pair_layer
 (the forward keeps what the backward would recompute, in arena blocks that live until their
 last reader: kernel scratch specs ``(shape, dtype, until_node_id)``). Multi-pass
 kernels run block by block (`_blocked`, `BLOCK` elements) so their passes hit cache;
-`set_threads(2)` splits the blocks over two threads. `NumpyProgram.profile` times each kernel.
+`set_threads(n)` splits large kernels over n threads (see "threads" below; results do not depend
+on n). `NumpyProgram.profile` times each kernel.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
 import math
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -146,13 +148,9 @@ def set_threads(n: int) -> None:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"numpy executor: threads must be a positive int, got {n!r}")
     if n != _workers["threads"]:
-        if _workers["pool"] is not None:
-            _workers["pool"].shutdown()
-        pool = None
-        if n > 1:
-            from concurrent.futures import ThreadPoolExecutor
-            pool = ThreadPoolExecutor(n - 1, thread_name_prefix="graphlm-numpy")
-        _workers["threads"], _workers["pool"] = n, pool
+        for worker in _workers["pool"] or ():
+            worker.stop()
+        _workers["threads"], _workers["pool"] = n, [_Worker() for _ in range(n - 1)] or None
     set_blas_threads(1)
 
 
@@ -168,15 +166,79 @@ def _cuts(total: int, n: int, quantum: int = 1) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
+SPIN_SECONDS = 300e-6   # a worker polls this long for its next piece before it sleeps
+
+
+class _Worker:
+    """One pool thread. After a piece it polls (yielding the GIL) for SPIN_SECONDS before it
+    sleeps, and the caller polls likewise for it to finish: kernels come back to back, and
+    waking a sleeping thread costs ~50-100 us here, as much as a small piece's work."""
+
+    def __init__(self):
+        self.job = None           # the piece to run (set by the caller, cleared by the worker)
+        self.busy = False         # set by the caller when it posts a job, cleared when done
+        self.error: BaseException | None = None
+        self.wake = threading.Event()
+        self.done = threading.Event()
+        self.alive = True
+        threading.Thread(target=self._loop, name="graphlm-numpy", daemon=True).start()
+
+    def _loop(self):
+        clock, yield_gil = time.perf_counter, time.sleep
+        while self.alive:
+            start = clock()
+            while self.job is None and clock() - start < SPIN_SECONDS:
+                yield_gil(0)
+            if self.job is None:
+                self.wake.wait()
+                continue
+            job, self.job = self.job, None
+            self.wake.clear()   # (the caller posts again only after this piece is done)
+            try:
+                job()
+            except BaseException as e:   # handed to the caller by wait()
+                self.error = e
+            self.busy = False
+            self.done.set()
+
+    def post(self, job):
+        self.error, self.busy = None, True
+        self.done.clear()
+        self.job = job
+        self.wake.set()
+
+    def wait(self):
+        clock, yield_gil, start = time.perf_counter, time.sleep, time.perf_counter()
+        while self.busy and clock() - start < SPIN_SECONDS:
+            yield_gil(0)
+        if self.busy:
+            self.done.wait()
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+    def stop(self):
+        self.alive = False
+        self.wake.set()
+
+
 def _parallel(parts) -> None:
-    """Run the callables `parts` at once: the first on this thread, the others on the pool.
+    """Run the callables `parts` at once: the first on this thread, the others on the workers.
     Waits for all of them (they write planned memory) before raising any error."""
-    jobs = [_workers["pool"].submit(p) for p in parts[1:]]
+    workers = _workers["pool"]
+    for worker, part in zip(workers, parts[1:]):
+        worker.post(part)
     try:
         parts[0]()
     finally:
-        for job in jobs:
-            job.result()
+        errors = []
+        for worker, _ in zip(workers, parts[1:]):
+            try:
+                worker.wait()
+            except BaseException as e:
+                errors.append(e)
+    if errors:
+        raise errors[0]
 
 
 def _threaded(whole, split):
