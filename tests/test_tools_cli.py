@@ -209,6 +209,8 @@ def test_missing_dot_through_the_console_entry_with_an_empty_path(tmp_path):
     (["render", "--config", SMALL, "--out", "/tmp/x.dot", "--scope", "blocks.9"], "no module scope 'blocks.9'"),
     (["plan", "--config", SMALL, "--out", "/no/such/dir/a.svg"], "does not exist"),
     (["stats", "--config", SMALL, "--seq-len", "99"], "--seq-len must be in [1, 16]"),
+    (["train", "--threads", "-1", "--out", "/tmp/graphlm-never-written"], "--threads must be >= 0, got -1"),
+    (["generate", "--threads", "-2"], "--threads must be >= 0, got -2"),
 ])
 def test_errors_are_one_clear_line_and_nonzero(capsys, argv, message):
     code, out, err = run(capsys, *argv)

@@ -17,7 +17,7 @@ from graphlm.io.checkpoint import read_checkpoint
 from graphlm.models import GPT, GPTConfig
 from graphlm.sample import Generator, check_sampling_options
 
-from .train_cli import use_threads
+from .train_cli import default_threads, use_threads
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,8 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: off)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     p.add_argument("--executor", default="numpy", help="executor (default: numpy)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="threads of the numpy executor, BLAS on one (default 1; 0 = leave threading to OpenBLAS)")
+    p.add_argument("--threads", type=int, default=default_threads(),
+                   help="threads of the numpy executor, BLAS on one (default: the available cores, "
+                        "at most 4; 0 = leave threading to OpenBLAS)")
 
 
 def run(args) -> int:

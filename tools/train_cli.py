@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import signal
 import sys
 import time
@@ -64,15 +65,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--heads", type=int)
     g.add_argument("--layers", type=int)
     g.add_argument("--dropout", type=float)
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=int, default=default_threads(),
                    help="threads of the numpy executor, which splits large kernels itself and runs "
-                        "BLAS on one thread (default 1; 0 = leave threading to OpenBLAS)")
+                        "BLAS on one thread (default: the available cores, at most 4; results do "
+                        "not depend on it; 0 = leave threading to OpenBLAS)")
     p.add_argument("--max-minutes", type=float, default=14.5,
                    help="stop (validate, save) after this much wall time (default: 14.5; 0 = no limit)")
     p.add_argument("--log-every", type=int, default=0,
                    help="plain log line every N steps (default: about 50 lines per run)")
     p.add_argument("--progress", choices=("auto", "bar", "log"), default="auto",
                    help="tqdm bar, plain log lines, or bar only on a terminal (default: auto)")
+
+
+def default_threads() -> int:
+    """The available cores, at most 4 (the executor's splitting was measured on 2)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return max(1, min(4, cores))
 
 
 def use_threads(n: int) -> None:
