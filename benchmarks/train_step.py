@@ -190,7 +190,12 @@ def loss_check(config, batch, torch) -> dict:
             "max_abs_diff": max(diffs), "ok": max(diffs) <= LOSS_TOLERANCE}
 
 
-def time_batch(config, batch, steps, warmup, torch, peak_gflops, gap: float) -> dict:
+def time_batch(config, batch, steps, warmup, torch, peak_gflops, gap: float, block: int) -> dict:
+    """Median ms per step of each framework. The frameworks take turns (alternating who goes
+    first) in blocks: `gap` seconds of sleep (the other's idle threads stop spinning), one
+    untimed step (caches and clocks come back after the switch), then `block` timed steps back
+    to back, as in training. block 1 with no untimed step was the protocol before (see
+    docs/performance.md: every step then starts cold)."""
     gs = GraphlmStep(config, batch)
     ts = TorchStep(config, gs.state, torch)
     x, y = batch_data(config, batch)
@@ -199,11 +204,16 @@ def time_batch(config, batch, steps, warmup, torch, peak_gflops, gap: float) -> 
         gs.step(x, y, 100 + s)
         ts.step(xt, yt)
     g_times, t_times = [], []
-    for s in range(steps):   # alternate, and alternate who goes first
-        pair = [("g", lambda: gs.step(x, y, 1000 + s)), ("t", lambda: ts.step(xt, yt))]
-        for who, fn in (pair if s % 2 == 0 else pair[::-1]):
-            time.sleep(gap)   # let the other framework's idle threads stop spinning first
-            (g_times if who == "g" else t_times).append(_timed(fn))
+    count = iter(range(10 ** 9))
+    run = {"g": lambda: gs.step(x, y, 1000 + next(count)), "t": lambda: ts.step(xt, yt)}
+    for r in range(-(-steps // block)):
+        for who in ("g", "t") if r % 2 == 0 else ("t", "g"):
+            time.sleep(gap)
+            if block > 1:
+                run[who]()
+            times = g_times if who == "g" else t_times
+            for _ in range(min(block, steps - r * block)):
+                times.append(_timed(run[who]))
     tokens = batch * config.context_length
     flops = flops_per_token(config)["train_step"] * tokens
     g_ms, t_ms = statistics.median(g_times) * 1e3, statistics.median(t_times) * 1e3
@@ -309,7 +319,7 @@ def profile_table(prof: dict) -> str:
 # == report ===========================================================================================
 
 def markdown(result: dict) -> str:
-    lines = [f"TinyLM training step, {result['threads']} thread(s), np.matmul 2048^3 peak "
+    lines = [f"TinyLM training step, {result['threads']} thread(s), turns of {result.get('block', 1)} steps, np.matmul 2048^3 peak "
              f"{result['matmul_peak_gflops']} GFLOP/s, dropout {result['config']['dropout']}",
              "",
              "| batch | graphlm ms | torch ms | graphlm / torch | graphlm tok/s | torch tok/s "
@@ -342,8 +352,11 @@ def main(argv=None) -> int:
                     help="threads for each framework: the numpy executor's (it splits large kernels "
                          "itself, BLAS on one thread), torch's intra-op pool (default 1)")
     ap.add_argument("--gap", type=float, default=0.25,
-                    help="seconds of sleep before each timed step: OpenBLAS's and torch's idle "
-                         "threads spin for a while after a call and would steal the other's cores")
+                    help="seconds of sleep before each framework's turn: idle BLAS/OpenMP threads "
+                         "spin for a while after a call and would steal the other's cores")
+    ap.add_argument("--block", type=int, default=3,
+                    help="timed steps per turn, back to back after one untimed step (default 3; "
+                         "1 = every timed step alone after the gap, the protocol before)")
     ap.add_argument("--quick", action="store_true", help="batches 1 and 8, 4 timed steps, no memory")
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     ap.add_argument("--profile", action="store_true", help="print graphlm's time per op kind instead")
@@ -373,9 +386,10 @@ def main(argv=None) -> int:
     peak = matmul_peak()
     numpy_executor.set_threads(args.threads)
     check = loss_check(config, min(args.batches), torch)
-    rows = [time_batch(config, b, args.steps, args.warmup, torch, peak, args.gap) for b in args.batches]
+    rows = [time_batch(config, b, args.steps, args.warmup, torch, peak, args.gap, args.block)
+            for b in args.batches]
     result = {"benchmark": "train_step", "config": config.to_dict(), "threads": args.threads,
-              "gap_s": args.gap,
+              "gap_s": args.gap, "block": args.block,
               "matmul_peak_gflops": round(peak, 1), "loss_check": check, "rows": rows,
               "peak_memory_method": "peak RSS (VmHWM) of a subprocess per framework and batch, 3 steps",
               "machine": {"python": platform.python_version(), "numpy": np.__version__,
