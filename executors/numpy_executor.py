@@ -256,6 +256,7 @@ def _threaded(whole, split):
         if len(parts) < 2:
             return whole()
         _parallel(parts)
+    run.whole = whole   # (for tools and tests: the one-thread form)
     return run
 
 
