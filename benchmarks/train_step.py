@@ -346,7 +346,7 @@ def main(argv=None) -> int:
     global THREADS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--steps", type=int, default=15, help="timed steps per framework and batch")
+    ap.add_argument("--steps", type=int, default=30, help="timed steps per framework and batch")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1,
                     help="threads for each framework: the numpy executor's (it splits large kernels "
