@@ -222,10 +222,26 @@ class _Worker:
         self.wake.set()
 
 
+_pool_lock = threading.Lock()
+
+
 def _parallel(parts) -> None:
     """Run the callables `parts` at once: the first on this thread, the others on the workers.
-    Waits for all of them (they write planned memory) before raising any error."""
+    Waits for all of them (they write planned memory) before raising any error. When another
+    caller holds the workers (programs run from several user threads at once), the parts run
+    one after the other on this thread: the same results, no sharing of a worker."""
     workers = _workers["pool"]
+    if workers is None or not _pool_lock.acquire(blocking=False):
+        for part in parts:
+            part()
+        return
+    try:
+        _post_and_wait(workers, parts)
+    finally:
+        _pool_lock.release()
+
+
+def _post_and_wait(workers, parts) -> None:
     for worker, part in zip(workers, parts[1:]):
         worker.post(part)
     try:

@@ -283,6 +283,25 @@ def test_training_steps_on_n_threads_are_bit_identical_to_one(split_everything, 
     assert [k for k in want[2] if got[2][k] != want[2][k]] == []
 
 
+def test_programs_run_from_two_user_threads_at_once_share_the_workers_safely(split_everything):
+    """Two threads each running its own training program on a 2-thread executor: whoever finds
+    the workers busy runs its pieces itself; both get the one-thread results bit for bit."""
+    import threading
+    numpy_executor.set_threads(1)
+    want = _train_two_steps(0.2)
+    got = []
+    try:
+        numpy_executor.set_threads(2)
+        users = [threading.Thread(target=lambda: got.append(_train_two_steps(0.2))) for _ in range(2)]
+        for u in users:
+            u.start()
+        for u in users:
+            u.join()
+    finally:
+        numpy_executor.set_threads(1)
+    assert len(got) == 2 and all(g == want for g in got)
+
+
 def test_a_failing_piece_raises_after_every_piece_finished():
     numpy_executor.set_threads(2)
     done = []
