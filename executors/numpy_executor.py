@@ -1445,14 +1445,16 @@ def keep_mask_drawer(shape, stream: int, p: float):
     element ranges at once (each element's value depends only on its index).
 
     ``u = (mix64(base + (i+1)*golden) >> 40) * 2^-24 >= p`` is the integer test
-    ``mix64(...) >= ceil(float32(p) * 2^24) << 40`` (u is k * 2^-24 exactly, k < 2^24)."""
+    ``mix64(...) >= ceil(float32(p) * 2^24) << 40`` (u is k * 2^-24 exactly, k < 2^24). The test
+    reads only bits 40-63, which mix64's last step ``z ^= z >> 31`` leaves as they are (z >> 31
+    is zero from bit 33 up), so the drawer skips that step: 8 passes per chunk, not 10."""
     n = int(np.prod(shape, dtype=np.int64))
     c = min(n, _MASK_CHUNK)
     with np.errstate(over="ignore"):
         steps = np.arange(1, c + 1, dtype=np.uint64) * np.uint64(GOLDEN)
     threshold = np.uint64(math.ceil(float(np.float32(p)) * 2 ** 24) << 40)
     m1, m2 = np.uint64(MIX1), np.uint64(MIX2)
-    s30, s27, s31 = np.uint64(30), np.uint64(27), np.uint64(31)
+    s30, s27 = np.uint64(30), np.uint64(27)
 
     def draw_range(base, flat, lo, hi, z, t):
         for start in range(lo, hi, c):
@@ -1464,9 +1466,7 @@ def keep_mask_drawer(shape, stream: int, p: float):
             np.multiply(zk, m1, out=zk)
             np.right_shift(zk, s27, out=tk)
             np.bitwise_xor(zk, tk, out=zk)
-            np.multiply(zk, m2, out=zk)
-            np.right_shift(zk, s31, out=tk)
-            np.bitwise_xor(zk, tk, out=zk)
+            np.multiply(zk, m2, out=zk)   # (mix64's last step, z ^= z >> 31, keeps bits 33-63)
             np.greater_equal(zk, threshold, out=flat[start:start + k])
 
     ranges: dict[int, list] = {}   # threads -> [(lo, hi, z, t)], temporaries per range
