@@ -42,6 +42,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -156,6 +157,19 @@ def set_threads(n: int) -> None:
 
 def get_threads() -> int:
     return _workers["threads"]
+
+
+def _workers_after_fork() -> None:
+    """A forked child has none of its parent's pool threads: start its own (same count), or a
+    kernel would post work to a thread that does not exist and wait for ever."""
+    global _pool_lock
+    _pool_lock = threading.Lock()
+    if _workers["pool"] is not None:
+        _workers["pool"] = [_Worker() for _ in _workers["pool"]]
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_workers_after_fork)
 
 
 def _cuts(total: int, n: int, quantum: int = 1) -> list[tuple[int, int]]:

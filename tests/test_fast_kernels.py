@@ -302,6 +302,26 @@ def test_programs_run_from_two_user_threads_at_once_share_the_workers_safely(spl
     assert len(got) == 2 and all(g == want for g in got)
 
 
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+def test_a_forked_child_gets_its_own_workers(split_everything):
+    """After fork the child has no pool threads of its parent's; it must start its own rather
+    than wait for ever on a piece nobody runs."""
+    import os
+    import signal
+    numpy_executor.set_threads(2)
+    try:
+        want = _train_two_steps(0.0)
+        pid = os.fork()
+        if pid == 0:   # the child: exit 0 only if the threaded run finishes with the same results
+            signal.alarm(60)
+            code = 0 if _train_two_steps(0.0) == want else 1
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        numpy_executor.set_threads(1)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+
+
 def test_a_failing_piece_raises_after_every_piece_finished():
     numpy_executor.set_threads(2)
     done = []
