@@ -106,7 +106,7 @@ SMALL = 4096    # elements: at most this, kernels take a short path with the few
 # == threads =========================================================================================
 # The executor splits its large kernels over `set_threads(n)` threads itself (NumPy and BLAS
 # release the GIL while they compute): matmuls by batch entries or row blocks, blocked kernels
-# by blocks, row-wise kernels (layer norm) by rows, AdamW by parameter chunks, dropout masks by
+# by blocks, row-wise kernels (layer norm) by rows, AdamW by parameter groups, dropout masks by
 # element ranges. Every piece computes exactly what it computes on one thread, so results do not
 # depend on the thread count. With more than one thread, BLAS itself runs single-threaded.
 
@@ -156,6 +156,7 @@ def set_threads(n: int) -> None:
 
 
 def get_threads() -> int:
+    """The executor's thread count (`set_threads`)."""
     return _workers["threads"]
 
 
