@@ -267,8 +267,20 @@ def tinylm_step():
     return NUMPY.compile(g, outputs), feeds, params
 
 
-def test_run_allocates_almost_nothing(tinylm_step):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_run_allocates_almost_nothing(tinylm_step, threads):
+    """Also on 2 executor threads: the split pieces and their temporaries are built on the first
+    run, and later runs allocate no more than on one thread."""
+    from executors import numpy_executor
     prog, feeds, params = tinylm_step
+    numpy_executor.set_threads(threads)
+    try:
+        _allocates_almost_nothing(prog, feeds, params)
+    finally:
+        numpy_executor.set_threads(1)
+
+
+def _allocates_almost_nothing(prog, feeds, params):
     first = prog.run(feeds, params)
     out_bytes = sum(a.nbytes for a in first)
     del first
