@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import json
 import math
 import platform
@@ -204,8 +205,8 @@ def time_batch(config, batch, steps, warmup, torch, peak_gflops, gap: float, blo
         gs.step(x, y, 100 + s)
         ts.step(xt, yt)
     g_times, t_times = [], []
-    count = iter(range(10 ** 9))
-    run = {"g": lambda: gs.step(x, y, 1000 + next(count)), "t": lambda: ts.step(xt, yt)}
+    keys = itertools.count(1000)   # a new dropout key per graphlm step
+    run = {"g": lambda: gs.step(x, y, next(keys)), "t": lambda: ts.step(xt, yt)}
     for r in range(-(-steps // block)):
         for who in ("g", "t") if r % 2 == 0 else ("t", "g"):
             time.sleep(gap)

@@ -1488,7 +1488,7 @@ def keep_mask_drawer(shape, stream: int, p: float):
 
     def draw(key: int, mask: np.ndarray) -> None:
         flat, base = mask.reshape(-1), stream_base(key, stream)
-        threads = _workers["threads"] if n >= 2 * _MASK_CHUNK else 1
+        threads = _workers["threads"] if n >= 2 * c else 1   # (one chunk: not split)
         if threads not in ranges:
             ranges[threads] = [(lo, hi, np.empty(c, np.uint64), np.empty(c, np.uint64))
                                for lo, hi in _cuts(n, threads, c)]
@@ -1773,15 +1773,15 @@ def _adamw_update(node, out, ins, scratch):
             pieces.append(tuple(f[sl] for f in flats) + (wd, p.dtype, sl.stop - sl.start))
 
     keys = sorted({(pc[5].str, pc[4]) for pc in pieces})
-    groups: dict[int, list] = {}   # threads -> [(pieces, buf1, buf2)]: contiguous runs of equal size
+    ends = np.cumsum([pc[0].size for pc in pieces])   # elements up to the end of each piece
+    groups: dict[int, list] = {}   # threads -> [(pieces, buf1, buf2)]: runs of about equal size
 
     def groups_for(n):
-        if n not in groups:
-            sizes = np.cumsum([pc[0].size for pc in pieces])
-            cuts = [0] + [int(np.searchsorted(sizes, sizes[-1] * i / n)) + 1 for i in range(1, n)] + [len(pieces)]
-            cuts = sorted(set(min(c, len(pieces)) for c in cuts))
+        if n not in groups:   # whole pieces up to each of n even cuts of all the elements
+            bounds = sorted({0} | {int(np.searchsorted(ends, stop, side="right"))
+                                   for _, stop in _cuts(int(ends[-1]), n)})
             groups[n] = [(pieces[a:b], *((buf1, buf2) if k == 0 else (np.empty_like(buf1), np.empty_like(buf2))))
-                         for k, (a, b) in enumerate(zip(cuts[:-1], cuts[1:]))]
+                         for k, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
         return groups[n]
 
     def update(part, buf1, buf2, consts):
