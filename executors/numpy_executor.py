@@ -51,16 +51,13 @@ from typing import Callable, Sequence
 import numpy as np
 from scipy import special
 
-from graphlm.ops import norm_parts
+from graphlm.ops import GELU_A, GELU_B, GELU_DA, GELU_DB, norm_parts
 from graphlm.random import GOLDEN, MASK64, MIX1, MIX2, dropout_keep_scale, stream_base
 from graphlm.registry import REGISTRY
 
 from . import reference
 from .base import ExecutionError, Program, check_index_range, node_where
 from .planner import ALIGN, Plan, _proto, apply_view, layouts, make_plan
-
-GELU_C = math.sqrt(2.0 / math.pi)
-GELU_K = 0.044715
 
 
 @dataclass(frozen=True)
@@ -199,6 +196,11 @@ class _Worker:
         threading.Thread(target=self._loop, name="graphlm-numpy", daemon=True).start()
 
     def _loop(self):
+        # floating-point warnings off, as in the caller's run (NumPy's errstate is per thread)
+        with np.errstate(all="ignore"):
+            self._serve()
+
+    def _serve(self):
         clock, yield_gil = time.perf_counter, time.sleep
         while self.alive:
             start = clock()
@@ -405,15 +407,38 @@ def _where(node, out, ins, scratch):
     return run
 
 
-def _gelu_tanh(x, work, t, c, k):
-    """t = tanh(C*(x + K*x*x*x)), the one tanh of every tanh-GELU kernel, in the reference's
-    order; `work` holds the argument (it may be `t` itself)."""
-    np.multiply(k, x, work)
-    np.multiply(work, x, work)
-    np.multiply(work, x, work)
-    np.add(x, work, work)
-    np.multiply(c, work, work)
-    np.tanh(work, t)
+class _GeluConstants:
+    """The tanh GELU's constants as scalars of one dtype (see graphlm.ops' GELU note)."""
+
+    def __init__(self, dt):
+        self.one = _s(1.0, dt)
+        self.a, self.b, self.da, self.db = (_s(c, dt) for c in (GELU_A, GELU_B, GELU_DA, GELU_DB))
+
+
+def _gelu_sigmoid(x, s, k):
+    """s = 1 / (exp((x*x*A + B)*x) + 1): the one exp of every tanh-GELU kernel, in the
+    reference's order."""
+    np.multiply(x, x, s)
+    np.multiply(s, k.a, s)
+    np.add(s, k.b, s)
+    np.multiply(s, x, s)
+    np.exp(s, s)
+    np.add(s, k.one, s)
+    np.divide(k.one, s, s)
+
+
+def _gelu_grad(x, g, s, out, b, k):
+    """out = g*(s + (1 - s)*s*x*(x*x*DA + DB)) from the sigmoid s; b is scratch and `out` holds
+    the second factor until the last pass (it must not alias x, g or s)."""
+    np.subtract(k.one, s, b)
+    np.multiply(b, s, b)
+    np.multiply(b, x, b)
+    np.multiply(x, x, out)
+    np.multiply(out, k.da, out)
+    np.add(out, k.db, out)
+    np.multiply(b, out, b)
+    np.add(b, s, b)
+    np.multiply(g, b, out)
 
 
 @kernel("gelu")
@@ -422,13 +447,11 @@ def _gelu(node, out, ins, scratch):
     dt = node.dtype
     half, one = _s(0.5, dt), _s(1.0, dt)
     if node.attrs["approximate"] == "tanh":
-        c, k = _s(GELU_C, dt), _s(GELU_K, dt)
+        k = _GeluConstants(dt)
 
-        def body(x, out):  # 0.5*x*(1 + tanh(C*(x + K*x*x*x))); out positional: see _ufunc_kernel
-            _gelu_tanh(x, out, out, c, k)
-            np.add(one, out, out)
-            np.multiply(out, x, out)    # (0.5*x)*t == (x*t)*0.5 exactly
-            np.multiply(out, half, out)
+        def body(x, out):  # x*s; out positional: see _ufunc_kernel
+            _gelu_sigmoid(x, out, k)
+            np.multiply(x, out, out)
         return _blocked(body, [x, out])
     r2 = _s(1 / math.sqrt(2.0), dt)
 
@@ -452,29 +475,12 @@ def _gelu_backward(node, out, ins, scratch):
     dt = node.dtype
     half, one = _s(0.5, dt), _s(1.0, dt)
     if node.attrs["approximate"] == "tanh":
-        t, b = scratch
-        c, k, k3 = _s(GELU_C, dt), _s(GELU_K, dt), _s(3 * GELU_K, dt)
+        k = _GeluConstants(dt)
 
-        def body(x, g, out, t, b):
-            # t = tanh(C*(x + K*x*x*x))
-            _gelu_tanh(x, t, t, c, k)
-            # b = 0.5*x*(1 - t*t)
-            np.multiply(t, t, out=b)
-            np.subtract(one, b, out=b)
-            np.multiply(b, x, out=b)
-            np.multiply(b, half, out=b)
-            # t = 0.5*(1 + t)
-            np.add(one, t, out=t)
-            np.multiply(half, t, out=t)
-            # out = C*(1 + 3K*x*x), then b *= out, d = t + b, out = g*d
-            np.multiply(k3, x, out=out)
-            np.multiply(out, x, out=out)
-            np.add(one, out, out=out)
-            np.multiply(c, out, out=out)
-            np.multiply(b, out, out=b)
-            np.add(t, b, out=t)
-            np.multiply(g, t, out=out)
-        return _blocked(body, [x, g, out, t, b])
+        def body(x, g, out, s, b):
+            _gelu_sigmoid(x, s, k)
+            _gelu_grad(x, g, s, out, b, k)
+        return _blocked(body, [x, g, out, *scratch])
     (a,) = scratch
     r2, c2, mhalf = _s(1 / math.sqrt(2.0), dt), _s(1 / math.sqrt(2 * math.pi), dt), _s(-0.5, dt)
 
@@ -494,20 +500,19 @@ def _gelu_backward(node, out, ins, scratch):
     return run_erf
 
 
-class _SavedTanh:
-    """tanh(C*(x + K*x^3)) of one float32 GELU's input, written by the forward kernel and read
+class _SavedSigmoid:
+    """The sigmoid s of one float32 tanh-GELU's input, written by the forward kernel and read
     by the backward kernels of the same input (an arena block live until the last of them)."""
 
     def __init__(self):
-        self.t: np.ndarray | None = None
-        self.until: int | None = None   # the last backward node reading t (ends its lifetime)
+        self.s: np.ndarray | None = None
+        self.until: int | None = None   # the last backward node reading s (ends its lifetime)
 
 
 def pair_gelu_backward(nodes):
-    """Let each float32 tanh-GELU whose input also feeds a ``gelu_backward`` keep its tanh for
-    that backward: ``gelu`` -> ``gelu_keep_tanh``, ``gelu_backward`` -> ``gelu_backward_tanh``
-    (no tanh recomputed: 13 passes instead of 17,
-    bit-identical). Returns the new node list."""
+    """Let each float32 tanh-GELU whose input also feeds a ``gelu_backward`` keep its sigmoid for
+    that backward: ``gelu`` -> ``gelu_keep_sigmoid``, ``gelu_backward`` -> ``gelu_backward_sigmoid``
+    (no exp recomputed: 9 passes instead of 16, bit-identical). Returns the new node list."""
     forward = {}
     for k, n in enumerate(nodes):
         if n.op == "gelu" and n.attrs["approximate"] == "tanh" and n.dtype == np.float32:
@@ -520,58 +525,41 @@ def pair_gelu_backward(nodes):
                 pairs.setdefault(f.id, []).append(n.id)
     if not pairs:
         return list(nodes)
-    slots = {fid: _SavedTanh() for fid in pairs}
+    slots = {fid: _SavedSigmoid() for fid in pairs}
     for fid, bids in pairs.items():
         slots[fid].until = bids[-1]
     slot_of = {bid: slots[fid] for fid, bids in pairs.items() for bid in bids}
     out = []
     for n in nodes:
         if n.id in slots:
-            n = FusedNode(n, "gelu_keep_tanh", n.inputs, {**n.attrs, "slot": slots[n.id]})
+            n = FusedNode(n, "gelu_keep_sigmoid", n.inputs, {**n.attrs, "slot": slots[n.id]})
         elif n.id in slot_of:
-            n = FusedNode(n, "gelu_backward_tanh", n.inputs, {**n.attrs, "slot": slot_of[n.id]})
+            n = FusedNode(n, "gelu_backward_sigmoid", n.inputs, {**n.attrs, "slot": slot_of[n.id]})
         out.append(n)
     return out
 
 
-@kernel("gelu_keep_tanh", scratch=lambda node, pos: [(node.shape, node.dtype, node.attrs["slot"].until)])
-def _gelu_keep_tanh(node, out, ins, scratch):
+@kernel("gelu_keep_sigmoid", scratch=lambda node, pos: [(node.shape, node.dtype, node.attrs["slot"].until)])
+def _gelu_keep_sigmoid(node, out, ins, scratch):
     (x,) = ins
     slot = node.attrs["slot"]
-    (slot.t,) = (t,) = scratch   # planned in the arena, live until the last backward reads it
-    dt = node.dtype
-    half, one, c, k = _s(0.5, dt), _s(1.0, dt), _s(GELU_C, dt), _s(GELU_K, dt)
+    (slot.s,) = scratch   # planned in the arena, live until the last backward reads it
+    k = _GeluConstants(node.dtype)
 
-    def body(x, out, t):  # the gelu kernel's arithmetic, with the tanh kept in t
-        _gelu_tanh(x, out, t, c, k)
-        np.add(one, t, out=out)
-        np.multiply(out, x, out=out)
-        np.multiply(out, half, out=out)
-    return _blocked(body, [x, out, t])
+    def body(x, out, s):  # the gelu kernel's arithmetic, with the sigmoid kept in s
+        _gelu_sigmoid(x, s, k)
+        np.multiply(x, s, out)
+    return _blocked(body, [x, out, slot.s])
 
 
-@kernel("gelu_backward_tanh", scratch=lambda node, pos: [(node.shape, node.dtype)] * 2)
-def _gelu_backward_tanh(node, out, ins, scratch):
+@kernel("gelu_backward_sigmoid", scratch=lambda node, pos: [(node.shape, node.dtype)])
+def _gelu_backward_sigmoid(node, out, ins, scratch):
     x, g = ins
-    (b, o), slot = scratch, node.attrs["slot"]
-    dt = node.dtype
-    half, one, c, k3 = _s(0.5, dt), _s(1.0, dt), _s(GELU_C, dt), _s(3 * GELU_K, dt)
+    slot, k = node.attrs["slot"], _GeluConstants(node.dtype)
 
-    def body(x, g, t, out, b, o):  # the gelu_backward kernel's arithmetic and order, from kept t
-        np.multiply(t, t, out=b)          # b = 0.5*x*(1 - t*t)
-        np.subtract(one, b, out=b)
-        np.multiply(b, x, out=b)
-        np.multiply(b, half, out=b)
-        np.multiply(k3, x, out=o)         # o = C*(1 + 3K*x*x)
-        np.multiply(o, x, out=o)
-        np.add(one, o, out=o)
-        np.multiply(c, o, out=o)
-        np.multiply(b, o, out=b)
-        np.add(one, t, out=o)             # d = 0.5*(1 + t) + b
-        np.multiply(half, o, out=o)
-        np.add(o, b, out=o)
-        np.multiply(g, o, out=out)
-    return _blocked(body, [x, g, slot.t, out, b, o])
+    def body(x, g, s, out, b):  # the gelu_backward kernel's arithmetic, from the kept s
+        _gelu_grad(x, g, s, out, b, k)
+    return _blocked(body, [x, g, slot.s, out, *scratch])
 
 
 # == reductions =====================================================================================

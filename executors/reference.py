@@ -11,14 +11,12 @@ from typing import Callable
 import numpy as np
 from scipy import special
 
-from graphlm.ops import norm_parts
+from graphlm.ops import GELU_A, GELU_B, GELU_DA, GELU_DB, norm_parts
 from graphlm.random import dropout_keep_scale
 from graphlm.ir import Tensor
 
 from .base import ExecutionError, Program, check_index_range, node_where
 
-GELU_C = math.sqrt(2.0 / math.pi)
-GELU_K = 0.044715
 KERNELS: dict[str, Callable] = {}
 
 
@@ -53,19 +51,24 @@ kernel("cast")(lambda node, x: x.astype(node.dtype))
 kernel("where")(lambda node, c, a, b: np.where(c, a, b))
 
 
+def _gelu_sigmoid(x):
+    """The tanh GELU's sigmoid(2*C*(x + K*x^3)), in the order of graphlm.ops' GELU note."""
+    a = (x * x * _s(GELU_A, x) + _s(GELU_B, x)) * x
+    return _s(1.0, x) / (np.exp(a) + _s(1.0, x))
+
+
 @kernel("gelu")
 def gelu(node, x):
     if node.attrs["approximate"] == "tanh":
-        return _s(0.5, x) * x * (_s(1.0, x) + np.tanh(_s(GELU_C, x) * (x + _s(GELU_K, x) * x * x * x)))
+        return x * _gelu_sigmoid(x)
     return _s(0.5, x) * x * (_s(1.0, x) + special.erf(x * _s(1 / math.sqrt(2.0), x)))
 
 
 @kernel("gelu_backward")
 def gelu_backward(node, x, g):
     if node.attrs["approximate"] == "tanh":
-        t = np.tanh(_s(GELU_C, x) * (x + _s(GELU_K, x) * x * x * x))
-        d = _s(0.5, x) * (_s(1.0, x) + t) + _s(0.5, x) * x * (_s(1.0, x) - t * t) * \
-            (_s(GELU_C, x) * (_s(1.0, x) + _s(3 * GELU_K, x) * x * x))
+        s = _gelu_sigmoid(x)
+        d = (_s(1.0, x) - s) * s * x * (x * x * _s(GELU_DA, x) + _s(GELU_DB, x)) + s
     else:
         d = _s(0.5, x) * (_s(1.0, x) + special.erf(x * _s(1 / math.sqrt(2.0), x))) + \
             x * np.exp(_s(-0.5, x) * x * x) * _s(1 / math.sqrt(2 * math.pi), x)

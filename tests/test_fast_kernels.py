@@ -57,10 +57,10 @@ def test_dropout_forward_and_backward_share_one_mask_and_match_reference(dtype):
             np.testing.assert_array_equal(a, b)
 
 
-# -- GELU: the backward reads the forward's tanh -------------------------------------------------------
+# -- GELU: the backward reads the forward's sigmoid -----------------------------------------------------
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_gelu_backward_reuses_the_forward_tanh_float32_only(dtype):
+def test_gelu_backward_reuses_the_forward_sigmoid_float32_only(dtype):
     g = gl.Graph("gelu")
     x = g.input("x", (6, 50), dtype)
     w = g.param("w", (50, 50), dtype)
@@ -70,11 +70,11 @@ def test_gelu_backward_reuses_the_forward_tanh_float32_only(dtype):
     gx, gw = gl.grad(loss, [x, w])
     prog = NUMPY.compile(g, [y, gx, gw])
     ops = {n.op for n in prog.run_nodes}
-    assert ("gelu_keep_tanh" in ops and "gelu_backward_tanh" in ops) == (dtype == "float32")
+    assert ("gelu_keep_sigmoid" in ops and "gelu_backward_sigmoid" in ops) == (dtype == "float32")
     rng = np.random.default_rng(1)
     xv = (rng.standard_normal((6, 50)) * 3).astype(dtype)
     state = {"w": rng.standard_normal((50, 50)).astype(dtype) * 0.3}
-    for scale in (1.0, 0.5):   # a second run with other data uses that run's tanh
+    for scale in (1.0, 0.5):   # a second run with other data uses that run's sigmoid
         got, want = run_both(g, [y, gx, gw], {"x": xv * scale}, state)
         for a, b in zip(got, want):   # the same arithmetic in the same order: bit for bit
             np.testing.assert_array_equal(a, b)
@@ -113,7 +113,7 @@ def test_blocked_kernels_match_reference_bit_for_bit(monkeypatch, block, dtype, 
     feeds = {"x": rng.standard_normal((3, 37, 64)).astype(dtype), "key": np.asarray(9, np.int64)}
     state = {"w": rng.standard_normal(64).astype(dtype), "b": rng.standard_normal(64).astype(dtype)}
     ops = {n.op for n in NUMPY.compile(g, [loss, m, *grads, strided]).run_nodes}
-    gelu = {"gelu", "gelu_backward"} if dtype == "float64" else {"gelu_keep_tanh", "gelu_backward_tanh"}
+    gelu = {"gelu", "gelu_backward"} if dtype == "float64" else {"gelu_keep_sigmoid", "gelu_backward_sigmoid"}
     assert {"layer_norm_keep", "layer_norm_kept", "layer_norm_backward_kept", "dropout_shared"} | gelu <= ops
     got, want = run_both(g, [loss, m, *grads, strided], feeds, state)
     for a_, b_ in zip(got[:-1], want[:-1]):
@@ -363,5 +363,5 @@ def test_kept_bytes_counts_the_buffers_fused_kernels_keep():
     (gx,) = gl.grad(gl.sum(y * y), [x])
     prog = NUMPY.compile(g, [gx])
     prog.run({"x": np.ones((4, 16), np.float32), "key": np.asarray(1, np.int64)}, {"w": np.ones(16, np.float32)})
-    # dropout mask (bool) + gelu tanh + layer norm x - mean and sqrt(var + eps)
+    # dropout mask (bool) + gelu sigmoid + layer norm x - mean and sqrt(var + eps)
     assert prog.kept_bytes() == 64 + 64 * 4 + 64 * 4 + 4 * 4
