@@ -293,6 +293,49 @@ def _threaded(whole, split):
     return run
 
 
+def _cut(arr, out_ndim: int, axis: int, start: int, stop: int):
+    """`arr`'s piece [start, stop) along `axis` of an output of `out_ndim` dimensions it
+    broadcasts to (a broadcast or missing axis stays whole)."""
+    k = axis - (out_ndim - arr.ndim)
+    if k < 0 or arr.shape[k] == 1:
+        return arr
+    index = [slice(None)] * arr.ndim
+    index[k] = slice(start, stop)
+    return arr[tuple(index)]
+
+
+def _balanced_axis(shape, n: int, axes=None):
+    """(axis, cuts): the axis of `shape` (among `axes`) whose cut into n pieces is the most even
+    (the leftmost on a tie: contiguous pieces), or None when no axis has two entries."""
+    best = None
+    for axis in (range(len(shape)) if axes is None else axes):
+        if shape[axis] > 1:
+            cuts = _cuts(shape[axis], n)
+            score = max(e - s for s, e in cuts) / shape[axis]
+            if best is None or score < best[0]:
+                best = (score, axis, cuts)
+    return None if best is None else best[1:]
+
+
+def _elementwise_parts(ins, out, n, axes=None):
+    """[(pieces of ins, piece of out)]: an elementwise ``f(*ins) -> out`` (inputs broadcasting to
+    out) cut into at most n pieces along one axis of out; every element is computed as on the
+    whole arrays."""
+    chosen = _balanced_axis(out.shape, n, axes)
+    if chosen is None:
+        return []
+    axis, cuts = chosen
+    return [([_cut(x, out.ndim, axis, s, e) for x in ins], _cut(out, out.ndim, axis, s, e)) for s, e in cuts]
+
+
+def _size_groups(sizes, n: int) -> list[tuple[int, int]]:
+    """[a, b) index ranges cutting the items of `sizes` into at most n contiguous runs of about
+    equal total size (whole items: each run ends at the first item past an even cut)."""
+    ends = np.cumsum(sizes)
+    bounds = sorted({0} | {int(np.searchsorted(ends, stop, side="right")) for _, stop in _cuts(int(ends[-1]), n)})
+    return [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+
 def _run_blocks(body, blocks):
     """A closure running body over every block, the blocks split into contiguous runs per thread."""
     def run_all(part):
@@ -346,7 +389,8 @@ def _mean_last(x, out):
 
 def _ufunc_kernel(fn):
     # out positional: a partial with keywords costs ~0.4 us more a call (decoding makes ~60);
-    # np.maximum deprecates a positional out, so it keeps the keyword
+    # np.maximum deprecates a positional out, so it keeps the keyword. Not split over threads:
+    # one pass over memory gains nothing from a second core (measured: batch 8 adds 3.5 -> 5.0 ms)
     if fn is np.maximum:
         return lambda node, out, ins, scratch: functools.partial(fn, *ins, out=out)
     return lambda node, out, ins, scratch: functools.partial(fn, *ins, out)
@@ -619,16 +663,9 @@ def _matmul_parts(a, b, out, n):
     if not options:
         return []
     _, _, axis, cuts = min(options)
-
-    def cut(arr, s, e):   # arr's piece along out's `axis` (a broadcast or missing axis stays whole)
-        k = axis - (out.ndim - arr.ndim)
-        if k < 0 or arr.shape[k] == 1:
-            return arr
-        index = [slice(None)] * arr.ndim
-        index[k] = slice(s, e)
-        return arr[tuple(index)]
     rows = axis == out.ndim - 2
-    return [(cut(a, s, e), b if rows else cut(b, s, e), cut(out, s, e)) for s, e in cuts]
+    return [(_cut(a, out.ndim, axis, s, e), b if rows else _cut(b, out.ndim, axis, s, e),
+             _cut(out, out.ndim, axis, s, e)) for s, e in cuts]
 
 
 def _matmul_closure(a, b, out):
@@ -788,12 +825,23 @@ def _slices_assemble(node, out, ins, scratch):
     windows = [np.reshape(out[idx], src.shape, copy=False) for idx, src in zip(node.attrs["indexes"], ins)]
     covered = node.attrs["covered"]
 
+    def copy(pairs):
+        for src, window in pairs:
+            np.add(src, zero, out=window)
+
     def run():
         if not covered:
             out.fill(0)
-        for src, window in zip(ins, windows):
-            np.add(src, zero, out=window)
-    return run
+        copy(zip(ins, windows))
+
+    def split(n):   # each window cut into n pieces; piece k of every window on thread k
+        cut = [_elementwise_parts([src], window, n) for src, window in zip(ins, windows)]
+        if any(len(c) != len(cut[0]) for c in cut):
+            return []
+        return [functools.partial(copy, [(c[k][0][0], c[k][1]) for c in cut]) for k in range(len(cut[0]))]
+    if not covered or out.size < MIN_SPLIT_ROWS:
+        return run
+    return _threaded(run, split)
 
 
 # == gather / scatter ==================================================================================
@@ -1724,11 +1772,39 @@ class NumpyExecutor:
         return NumpyProgram(graph, outputs, poison=poison)
 
 
+
 # == optimizer updates (graphlm/ops.py "optimizer ops"; owned with graphlm.optim) =====================
 # The same arithmetic as the reference kernels, in the same order (bit-identical results), in
 # place. AdamW walks every parameter in cache-sized chunks and does all its passes on a chunk
 # while it is in cache (one trip through memory instead of a dozen); two chunk-sized scratch
 # buffers hold the temporaries, so nothing is allocated per run.
+
+@kernel("global_norm")
+def _global_norm(node, out, ins, scratch):
+    """sqrt(sum of every gradient's squares), as the reference adds them: a float dot (BLAS) per
+    contiguous gradient into a running total of node.dtype, in input order. On n threads the
+    dots of n runs of gradients (of about equal size) are computed at once, then added in order:
+    the same total bit for bit."""
+    flats = [_flat(g, (-1,)) for g in ins]   # (None: reshaped, a copy, at each run as the reference does)
+    dots: list = [None] * len(ins)
+
+    def dot(a, b):
+        for i in range(a, b):
+            f = ins[i].reshape(-1) if flats[i] is None else flats[i]
+            dots[i] = np.dot(f, f) if f.flags.c_contiguous and f.strides[0] else np.sum(ins[i] * ins[i])
+    sizes = [g.size for g in ins]
+    all_dots = functools.partial(dot, 0, len(ins))
+    if sum(sizes) >= MIN_SPLIT_ROWS:
+        all_dots = _threaded(all_dots, lambda n: [functools.partial(dot, a, b) for a, b in _size_groups(sizes, n)])
+
+    def run():
+        all_dots()
+        total = np.zeros((), dtype=node.dtype)
+        for d in dots:
+            total += d
+        np.copyto(out, np.sqrt(total), casting="unsafe")
+    return run
+
 
 _ADAMW_CHUNK = 1 << 15
 
@@ -1761,15 +1837,12 @@ def _adamw_update(node, out, ins, scratch):
             pieces.append(tuple(f[sl] for f in flats) + (wd, p.dtype, sl.stop - sl.start))
 
     keys = sorted({(pc[5].str, pc[4]) for pc in pieces})
-    ends = np.cumsum([pc[0].size for pc in pieces])   # elements up to the end of each piece
     groups: dict[int, list] = {}   # threads -> [(pieces, buf1, buf2)]: runs of about equal size
 
     def groups_for(n):
-        if n not in groups:   # whole pieces up to each of n even cuts of all the elements
-            bounds = sorted({0} | {int(np.searchsorted(ends, stop, side="right"))
-                                   for _, stop in _cuts(int(ends[-1]), n)})
+        if n not in groups:
             groups[n] = [(pieces[a:b], *((buf1, buf2) if k == 0 else (np.empty_like(buf1), np.empty_like(buf2))))
-                         for k, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
+                         for k, (a, b) in enumerate(_size_groups([pc[0].size for pc in pieces], n))]
         return groups[n]
 
     def update(part, buf1, buf2, consts):

@@ -220,6 +220,35 @@ def test_matmul_pieces_tile_the_output_and_round_as_the_whole(a_shape, b_shape, 
     assert out.tobytes() == whole.tobytes()    # covered (no NaN left) and rounded as the whole
 
 
+@pytest.mark.parametrize("shapes", [
+    [(8, 128, 96), (96,)],              # a bias add: the bias stays whole
+    [(3, 100, 24), (3, 1, 24)],         # the QKV bias: 3 batch entries vs 100 rows, rows cut
+    [(5, 7), (5, 1)],                   # a row statistic broadcast along columns
+    [(64,), ()],                        # a scalar operand
+])
+@pytest.mark.parametrize("n", [2, 3])
+def test_elementwise_pieces_tile_the_output(shapes, n):
+    rng = np.random.default_rng(5)
+    ins = [rng.standard_normal(sh).astype(np.float32) for sh in shapes]
+    whole = np.add(*ins)
+    out = np.full_like(whole, np.nan)
+    pieces = numpy_executor._elementwise_parts(ins, out, n)
+    assert 2 <= len(pieces) <= n
+    outs = [po for _, po in pieces]
+    assert not any(np.shares_memory(p, q) for i, p in enumerate(outs) for q in outs[i + 1:])   # disjoint
+    for pi, po in pieces:
+        assert np.shares_memory(po, out)
+        np.add(*pi, out=po)
+    assert out.tobytes() == whole.tobytes()
+
+
+@pytest.mark.parametrize("sizes,n", [([5, 1, 1, 9, 2], 2), ([3], 2), ([1, 1, 1], 3), ([4, 4, 4, 4], 3)])
+def test_size_groups_cover_every_item_once_in_order(sizes, n):
+    groups = numpy_executor._size_groups(sizes, n)
+    assert groups[0][0] == 0 and groups[-1][1] == len(sizes) and len(groups) <= n
+    assert all(a < b for a, b in groups) and all(b == c for (_, b), (c, _) in zip(groups, groups[1:]))
+
+
 @pytest.fixture
 def split_everything(monkeypatch):
     """Split every kernel that can be split, however small (the graphs of tests are small)."""
@@ -259,8 +288,9 @@ def _train_two_steps(dropout: float):
 @pytest.mark.parametrize("dropout", [0.0, 0.2])
 @pytest.mark.parametrize("n", [2, 3])
 def test_training_steps_on_n_threads_are_bit_identical_to_one(split_everything, dropout, n):
-    """Matmuls (batch and row cuts), matmul_sums, layer norms, blocked GELU/softmax/dropout,
-    dropout masks drawn in ranges and AdamW in parameter groups, all split: the losses, norms and
+    """Matmuls (batch and row cuts), matmul_sums, layer norms, blocked GELU/softmax/dropout, the
+    QKV gradient assembly, dropout masks drawn in ranges, the global norm's dots and AdamW in
+    parameter groups, all split: the losses, norms and
     every parameter and moment after two steps equal the one-thread run's bit for bit."""
     numpy_executor.set_threads(1)
     want = _train_two_steps(dropout)
