@@ -109,7 +109,7 @@ SMALL = 4096    # elements: at most this, kernels take a short path with the few
 
 _workers = {"threads": 1, "pool": None}
 
-ROW_QUANTUM = 48            # matmul row blocks are multiples of this (see _matmul_parts)
+ROW_QUANTUM_CANDIDATES = (8, 16, 24, 32, 48, 64, 96)   # matmul row blocks: see row_quantum
 MIN_SPLIT_FLOPS = 1 << 22   # a matmul below this (~50 us on one core) is not split
 MIN_SPLIT_ROWS = 1 << 16    # elements: a row-wise kernel below this is not split
 
@@ -643,12 +643,33 @@ def _slice_backward(node, out, ins, scratch):
     return run
 
 
+_row_quanta: dict[str, int | None] = {}
+
+
+def row_quantum(dtype) -> int | None:
+    """The smallest row count q (of ROW_QUANTUM_CANDIDATES) such that a matmul cut into row
+    blocks at multiples of q rounds exactly as the whole product, found once per dtype by trying
+    (BLAS kernels compute rows in register tiles, 24 rows for OpenBLAS's sgemm on AVX2, and a
+    ragged last tile may add in another order); None when no candidate does (no row cuts)."""
+    key = np.dtype(dtype).str
+    if key not in _row_quanta:
+        rng = np.random.default_rng(0)
+        _row_quanta[key] = None
+        for q in ROW_QUANTUM_CANDIDATES:
+            a = rng.standard_normal((5 * q + 7, 200)).astype(dtype)
+            b = rng.standard_normal((200, 40)).astype(dtype)
+            whole = a @ b
+            if all(np.array_equal(np.concatenate([a[:s] @ b, a[s:] @ b]), whole) for s in range(q, 5 * q + 1, q)):
+                _row_quanta[key] = q
+                break
+    return _row_quanta[key]
+
+
 def _matmul_parts(a, b, out, n):
     """[(a_i, b_i, out_i)]: ``a @ b -> out`` cut into at most n products along out's largest
     batch axis or along blocks of rows, whichever balances better (a batch cut on a tie: it
-    leaves every GEMM as it was). Row blocks are multiples of ROW_QUANTUM = 48 rows, a multiple of
-    OpenBLAS's sgemm register tile (16 or 24 rows on x86), so a cut product rounds exactly as the
-    whole (tests/test_fast_kernels.py checks it bit for bit)."""
+    leaves every GEMM as it was). Row blocks are multiples of `row_quantum` rows, so a cut
+    product rounds exactly as the whole (tests/test_fast_kernels.py checks it bit for bit)."""
     if a.ndim < 2 or b.ndim < 2:
         return []
     options = []   # (largest piece / total, prefer, axis of out, cuts)
@@ -656,9 +677,11 @@ def _matmul_parts(a, b, out, n):
         if out.shape[axis] > 1:
             cuts = _cuts(out.shape[axis], n)
             options.append((max(e - s for s, e in cuts) / out.shape[axis], 0, axis, cuts))
-    m = out.shape[-2]
-    if m > ROW_QUANTUM:
-        cuts = _cuts(m, n, ROW_QUANTUM)
+    m, quantum = out.shape[-2], row_quantum(out.dtype)
+    if quantum is not None and m > quantum:
+        cuts = _cuts(m, n, quantum)
+        if cuts[-1][1] - cuts[-1][0] == 1:   # NumPy runs a one-row product as a gemv (other rounding)
+            cuts = cuts[:-2] + [(cuts[-2][0], m)]
         options.append((max(e - s for s, e in cuts) / m, 1, out.ndim - 2, cuts))
     if not options:
         return []

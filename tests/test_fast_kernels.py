@@ -199,7 +199,7 @@ def test_cuts_are_contiguous_even_and_on_the_quantum(total, n, quantum):
 @pytest.mark.parametrize("a_shape,b_shape", [
     ((8, 128, 192), (192, 96)),         # batch cut: every GEMM as it was
     ((1, 1000, 24), (3, 24, 40)),       # broadcast batch of 3 vs 1000 rows: rows cut (better balance)
-    ((300, 20), (20, 50)),              # 2-d: row blocks of 48
+    ((300, 20), (20, 50)),              # 2-d: row blocks (of row_quantum rows)
     ((2, 3, 100, 16), (2, 3, 16, 100)),
     ((5, 70, 8), (8, 9)),
 ])
@@ -218,6 +218,28 @@ def test_matmul_pieces_tile_the_output_and_round_as_the_whole(a_shape, b_shape, 
     for pa, pb, po in pieces:
         np.matmul(pa, pb, po)
     assert out.tobytes() == whole.tobytes()    # covered (no NaN left) and rounded as the whole
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_row_quantum_cuts_round_as_the_whole_on_other_shapes(dtype):
+    """The quantum is found on one probe shape; cuts at its multiples must hold on the shapes of
+    training too (long contractions, few columns, a ragged last tile). A last piece of one row
+    is merged into the one before (NumPy would run it as a gemv, which rounds otherwise)."""
+    numpy_executor.set_threads(2)   # (BLAS on one thread, as whenever the executor splits)
+    q = numpy_executor.row_quantum(dtype)
+    assert q is not None and q in numpy_executor.ROW_QUANTUM_CANDIDATES
+    rng = np.random.default_rng(2)
+    for m, k, n in [(128, 192, 768), (128, 768, 192), (200, 1000, 50), (97, 3000, 33), (q + 1, 500, 20)]:
+        a, b = rng.standard_normal((m, k)).astype(dtype), rng.standard_normal((k, n)).astype(dtype)
+        whole = a @ b
+        for s in range(q, m - 1, q):
+            assert np.concatenate([a[:s] @ b, a[s:] @ b]).tobytes() == whole.tobytes(), (m, k, n, s)
+        out = np.full_like(whole, np.nan)
+        pieces = numpy_executor._matmul_parts(a, b, out, 2)
+        assert all(po.shape[0] >= 2 for _, _, po in pieces)
+        for pa, pb, po in pieces:
+            np.matmul(pa, pb, po)
+        assert out.tobytes() == whole.tobytes()
 
 
 @pytest.mark.parametrize("shapes", [
@@ -257,7 +279,6 @@ def split_everything(monkeypatch):
     monkeypatch.setattr(numpy_executor, "_MASK_CHUNK", 64)
     monkeypatch.setattr(numpy_executor, "_ADAMW_CHUNK", 100)
     monkeypatch.setattr(numpy_executor, "BLOCK", 500)
-    monkeypatch.setattr(numpy_executor, "ROW_QUANTUM", 24)   # still a multiple of the sgemm tile here
 
 
 def _train_two_steps(dropout: float):
