@@ -110,8 +110,11 @@ SMALL = 4096    # elements: at most this, kernels take a short path with the few
 _workers = {"threads": 1, "pool": None}
 
 ROW_QUANTUM_CANDIDATES = (8, 16, 24, 32, 48, 64, 96)   # matmul row blocks: see row_quantum
-MIN_SPLIT_FLOPS = 1 << 22   # a matmul below this (~50 us on one core) is not split
+MIN_SPLIT_FLOPS = 1 << 23   # a matmul below this (~100 us on one core) is not split
 MIN_SPLIT_ROWS = 1 << 16    # elements: a row-wise kernel below this is not split
+MIN_SPLIT_COPY = 1 << 18    # elements: a copy below this is not split
+# (measured per kernel at batch 1 on 2 threads: attention's 6.3 MFLOP products and the
+# 74K-element QKV gradient assembly took longer split than whole)
 
 
 def set_blas_threads(n: int) -> bool:
@@ -861,7 +864,7 @@ def _slices_assemble(node, out, ins, scratch):
         if any(len(c) != len(cut[0]) for c in cut):
             return []
         return [functools.partial(copy, [(c[k][0][0], c[k][1]) for c in cut]) for k in range(len(cut[0]))]
-    if not covered or out.size < MIN_SPLIT_ROWS:
+    if not covered or out.size < MIN_SPLIT_COPY:
         return run
     return _threaded(run, split)
 

@@ -276,6 +276,7 @@ def split_everything(monkeypatch):
     """Split every kernel that can be split, however small (the graphs of tests are small)."""
     monkeypatch.setattr(numpy_executor, "MIN_SPLIT_FLOPS", 0)
     monkeypatch.setattr(numpy_executor, "MIN_SPLIT_ROWS", 0)
+    monkeypatch.setattr(numpy_executor, "MIN_SPLIT_COPY", 0)
     monkeypatch.setattr(numpy_executor, "_MASK_CHUNK", 64)
     monkeypatch.setattr(numpy_executor, "_ADAMW_CHUNK", 100)
     monkeypatch.setattr(numpy_executor, "BLOCK", 500)
