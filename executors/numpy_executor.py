@@ -306,27 +306,27 @@ def _cut(arr, out_ndim: int, axis: int, start: int, stop: int):
     return arr[tuple(index)]
 
 
-def _balanced_axis(shape, n: int, axes=None):
-    """(axis, cuts): the axis of `shape` (among `axes`) whose cut into n pieces is the most even
-    (the leftmost on a tie: contiguous pieces), or None when no axis has two entries."""
+def _balanced_axis(shape, n: int):
+    """(largest piece / length, axis, cuts): the axis of `shape` whose cut into n pieces is the
+    most even (the leftmost on a tie: contiguous pieces), or None when no axis has two entries."""
     best = None
-    for axis in (range(len(shape)) if axes is None else axes):
+    for axis in range(len(shape)):
         if shape[axis] > 1:
             cuts = _cuts(shape[axis], n)
             score = max(e - s for s, e in cuts) / shape[axis]
             if best is None or score < best[0]:
                 best = (score, axis, cuts)
-    return None if best is None else best[1:]
+    return best
 
 
-def _elementwise_parts(ins, out, n, axes=None):
+def _elementwise_parts(ins, out, n):
     """[(pieces of ins, piece of out)]: an elementwise ``f(*ins) -> out`` (inputs broadcasting to
     out) cut into at most n pieces along one axis of out; every element is computed as on the
     whole arrays."""
-    chosen = _balanced_axis(out.shape, n, axes)
+    chosen = _balanced_axis(out.shape, n)
     if chosen is None:
         return []
-    axis, cuts = chosen
+    _, axis, cuts = chosen
     return [([_cut(x, out.ndim, axis, s, e) for x in ins], _cut(out, out.ndim, axis, s, e)) for s, e in cuts]
 
 
@@ -652,7 +652,9 @@ def row_quantum(dtype) -> int | None:
     """The smallest row count q (of ROW_QUANTUM_CANDIDATES) such that a matmul cut into row
     blocks at multiples of q rounds exactly as the whole product, found once per dtype by trying
     (BLAS kernels compute rows in register tiles, 24 rows for OpenBLAS's sgemm on AVX2, and a
-    ragged last tile may add in another order); None when no candidate does (no row cuts)."""
+    ragged last tile may add in another order); None when no candidate does (no row cuts).
+    Called only when the executor splits, i.e. with BLAS on one thread (a threaded BLAS cuts
+    products its own way and would not match)."""
     key = np.dtype(dtype).str
     if key not in _row_quanta:
         rng = np.random.default_rng(0)
@@ -675,10 +677,9 @@ def _matmul_parts(a, b, out, n):
     if a.ndim < 2 or b.ndim < 2:
         return []
     options = []   # (largest piece / total, prefer, axis of out, cuts)
-    for axis in range(out.ndim - 2):
-        if out.shape[axis] > 1:
-            cuts = _cuts(out.shape[axis], n)
-            options.append((max(e - s for s, e in cuts) / out.shape[axis], 0, axis, cuts))
+    batch = _balanced_axis(out.shape[:-2], n)
+    if batch is not None:
+        options.append((batch[0], 0, batch[1], batch[2]))
     m, quantum = out.shape[-2], row_quantum(out.dtype)
     if quantum is not None and m > quantum:
         cuts = _cuts(m, n, quantum)
@@ -1795,7 +1796,6 @@ class NumpyExecutor:
 
     def compile(self, graph, outputs, poison: bool = False) -> NumpyProgram:
         return NumpyProgram(graph, outputs, poison=poison)
-
 
 
 # == optimizer updates (graphlm/ops.py "optimizer ops"; owned with graphlm.optim) =====================
