@@ -133,18 +133,20 @@ def test_slice_gradients_are_assembled_like_the_reference(parts, dtype):
     g = gl.Graph("qkv")
     x = g.input("x", (1, 8, 12), dtype)
     w = g.param("w", (3, 12, 12), dtype)
+    c = g.input("c", (2, 3, 4, 4), dtype)                                  # fed -0.0
     qkv = x @ w                                                            # [3, 8, 12]
     heads = [gl.transpose(gl.reshape(gl.reshape(qkv[j], (2, 4, 12)), (2, 4, 3, 4)), (0, 2, 1, 3))
              for j in parts]
     loss = gl.sum(gl.relu(heads[0]) * heads[-1]) + gl.sum(heads[0] * 0.0)
-    gx, gw = gl.grad(loss, [x, w])
-    prog = NUMPY.compile(g, [gx, gw])
+    loss = loss + gl.sum(heads[len(heads) // 2] * c)   # with 3 parts: a window of -0.0 gradients
+    gx, gw, gqkv = gl.grad(loss, [x, w, qkv])   # gqkv: the assembled node (in x @ w a zero's sign vanishes)
+    prog = NUMPY.compile(g, [gx, gw, gqkv])
     assert [n.op for n in prog.run_nodes].count("slices_assemble") == 1
     assert not any(n.op == "slice_backward" for n in prog.run_nodes)
     rng = np.random.default_rng(4)
-    feeds = {"x": rng.standard_normal((1, 8, 12)).astype(dtype)}
+    feeds = {"x": rng.standard_normal((1, 8, 12)).astype(dtype), "c": np.full((2, 3, 4, 4), -0.0, dtype)}
     state = {"w": rng.standard_normal((3, 12, 12)).astype(dtype)}
-    got, want = run_both(g, [gx, gw], feeds, state)
+    got, want = run_both(g, [gx, gw, gqkv], feeds, state)
     for a, b in zip(got, want):
         assert a.tobytes() == b.tobytes()    # bit for bit, signs of zeros included
 
