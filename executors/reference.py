@@ -207,6 +207,27 @@ def causal_mask(node, x):
     return np.where(keep, x, _s(node.attrs["fill"], x))
 
 
+def _attention_probs(q, k, scale):
+    """softmax(causal_mask(q @ k^T * scale)): the scores of every pair, the masked ones too."""
+    s = np.matmul(q, np.swapaxes(k, -1, -2)) * _s(scale, q)
+    keep = np.tri(s.shape[-2], s.shape[-1], dtype=bool)
+    return _softmax_rows(np.where(keep, s, _s(-np.inf, s)))
+
+
+@kernel("causal_attention")
+def causal_attention(node, q, k, v):
+    return np.matmul(_attention_probs(q, k, node.attrs["scale"]), v)
+
+
+@kernel("causal_attention_backward")
+def causal_attention_backward(node, q, k, v, o, g):
+    scale = _s(node.attrs["scale"], q)
+    p = _attention_probs(q, k, node.attrs["scale"])
+    ds = p * (np.matmul(g, np.swapaxes(v, -1, -2)) - np.sum(g * o, axis=-1, keepdims=True)) * scale
+    return np.stack([np.matmul(ds, k), np.matmul(np.swapaxes(ds, -1, -2), q),
+                     np.matmul(np.swapaxes(p, -1, -2), g)])
+
+
 @kernel("dropout")
 def dropout(node, x, key):
     return x * dropout_keep_scale(int(key), node.attrs["stream"], x.shape, node.attrs["p"], x.dtype)

@@ -1017,6 +1017,65 @@ def causal_mask(scores, fill: float = -math.inf, offset: int = 0) -> Tensor:
     return apply("causal_mask", (scores,), fill=float(fill), offset=int(offset))
 
 
+# --- causal_attention ------------------------------------------------------------------------------
+# Fused causal self-attention, as ggml's flash_attn_ext and torch's scaled_dot_product_attention
+# (is_causal=True): one node instead of matmul, scale, mask, softmax, matmul. Executors can then
+# skip the masked half of the scores (the numpy kernel works in query blocks, see
+# docs/architecture.md); the decomposition below is the definition.
+def _infer_attention(inputs, attrs):
+    q, k, v = inputs[:3]
+    for name, t in zip(("q", "k", "v"), (q, k, v)):
+        _require_float(t, name)
+    if q.ndim < 2 or not (q.shape == k.shape == v.shape):
+        raise ShapeError(f"q, k and v must have one shape [..., T, D], got {fmt_shape(q.shape)}, "
+                         f"{fmt_shape(k.shape)} and {fmt_shape(v.shape)}")
+    for name, t in zip(("output", "output gradient"), inputs[3:]):
+        if t.shape != q.shape:
+            raise ShapeError(f"{name} {fmt_shape(t.shape)} must have the shape of q {fmt_shape(q.shape)}")
+    return q.shape, _same_dtype(inputs)
+
+
+def _infer_attention_backward(inputs, attrs):
+    shape, dtype = _infer_attention(inputs, attrs)
+    return (3,) + shape, dtype
+
+
+def _attention_probs(q, k, scale):
+    return softmax(causal_mask((q @ swapaxes(k, -1, -2)) * scale), -1)
+
+
+def _attention_backward_decompose(q, k, v, o, g, scale):
+    """[dq, dk, dv] stacked; dS = P*(g @ v^T - rowsum(g*o)) * scale (rowsum(g*o) = rowsum(P*dP))."""
+    p = _attention_probs(q, k, scale)
+    ds = p * (g @ swapaxes(v, -1, -2) - sum(g * o, -1, keepdims=True)) * scale
+    grads = (ds @ k, swapaxes(ds, -1, -2) @ q, swapaxes(p, -1, -2) @ g)
+    return concat([reshape(d, (1,) + q.shape) for d in grads], axis=0)
+
+
+def _attention_vjp(y, g):
+    q, k, v = y.inputs
+    packed = apply("causal_attention_backward", (q, k, v, y, g), scale=y.attrs["scale"])
+    return [packed[0], packed[1], packed[2]]
+
+
+register("causal_attention", _infer_attention, vjp=_attention_vjp,
+         decompose=lambda q, k, v, scale: _attention_probs(q, k, scale) @ v,
+         doc="softmax(causal_mask(q @ k^T * scale)) @ v over the last two axes",
+         vjp_doc="causal_attention_backward(q, k, v, y, g) -> [dq, dk, dv]")
+register("causal_attention_backward", _infer_attention_backward, decompose=_attention_backward_decompose,
+         doc="[dq, dk, dv] of causal_attention, stacked on a new first axis",
+         vjp_doc="through its decomposition")
+
+
+def causal_attention(q, k, v, scale: float | None = None) -> Tensor:
+    """Causal self-attention ``softmax(causal_mask(q @ k^T * scale)) @ v`` on ``[..., T, D]``
+    queries, keys and values of one shape; query i attends to keys j <= i. `scale` defaults to
+    ``1/sqrt(D)``."""
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape and q.shape[-1] else 1.0
+    return apply("causal_attention", (q, k, v), scale=float(scale))
+
+
 # --- dropout ---------------------------------------------------------------------------------------
 def _infer_dropout(inputs, attrs):
     x, key = inputs

@@ -178,6 +178,72 @@ def test_scaled_causal_softmax_is_fused_and_bit_identical(monkeypatch, block, dt
         assert a.tobytes() == b.tobytes()
 
 
+# -- causal attention in query blocks ---------------------------------------------------------------------
+
+def _attention_graph(shape, dtype):
+    """causal_attention and its gradients (paired: the backward keeps the forward's scores), and
+    the backward op alone on a fed output (unpaired: it recomputes them)."""
+    g = gl.Graph("causal_attention")
+    q, k, v, u = (g.input(n, shape, dtype) for n in "qkvu")
+    y = gl.causal_attention(q, k, v)
+    grads = gl.grad(gl.sum(y * u), [q, k, v])
+    o = g.input("o", shape, dtype)
+    alone = gl.registry.apply("causal_attention_backward", (q, k, v, o, u), scale=y.attrs["scale"])
+    return g, y, grads, alone
+
+
+@pytest.mark.parametrize("query_block,chunk", [(64, 1 << 17), (16, 1 << 17), (5, 100)])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_causal_attention_in_query_blocks_matches_reference(monkeypatch, query_block, chunk, dtype, threads):
+    """One block, two (18 + 19 rows), seven uneven ones with a run per matrix, on 1-3 threads:
+    the outputs and gradients match the reference's plain form within rounding (1e-6 relative in
+    float32, 1e-12 in float64); the unpaired backward (recomputing E) equals the paired one
+    bit for bit; the NaN-poisoned arena shows no masked score is read; only the blocks on and
+    below the diagonal are kept from forward to backward."""
+    monkeypatch.setattr(numpy_executor, "ATTENTION_QUERY_BLOCK", query_block)
+    monkeypatch.setattr(numpy_executor, "ATTENTION_CHUNK", chunk)
+    monkeypatch.setattr(numpy_executor, "MIN_SPLIT_FLOPS", 0)
+    shape = (2, 3, 37, 8)
+    g, y, grads, alone = _attention_graph(shape, dtype)
+    rng = np.random.default_rng(11)
+    feeds = {n: rng.standard_normal(shape).astype(dtype) for n in "qkvu"}
+    feeds["o"] = REF.compile(g, [y]).run({n: feeds[n] for n in "qkv"})[0]
+    outputs = [y, *grads, alone]
+    prog = NUMPY.compile(g, outputs, poison=True)
+    ops = [n.op for n in prog.run_nodes]
+    assert ops.count("causal_attention_keep") == 1 and ops.count("causal_attention_backward_kept") == 1
+    assert ops.count("causal_attention_backward") == 1 and not prog.rounds_like_reference
+    got = prog.run(feeds)
+    want = REF.compile(g, outputs).run(feeds)
+    tol = 1e-6 if dtype == "float32" else 1e-12
+    for a, b, what in zip(got, want, ["y", "dq", "dk", "dv", "backward alone"]):
+        assert_close(a, b, tol, tol, what)
+    paired = np.stack(got[1:4])
+    # the unpaired backward read the reference's o; on the numpy output it equals the paired one
+    again = NUMPY.compile(g, [alone], poison=True).run(dict(feeds, o=got[0]))[0]
+    assert again.tobytes() == paired.tobytes()
+    blocks = numpy_executor._query_blocks(37)
+    assert len(blocks) == max(1, round(37 / query_block))
+    kept = sum((r1 - r0) * r1 for r0, r1 in blocks) + 37   # E's blocks and the row sums l
+    assert prog.kept_bytes() == kept * 6 * np.dtype(dtype).itemsize
+
+
+def test_gpt_attention_is_one_fused_node_and_the_decode_path_is_not():
+    """The model's training graph and the cached prefill use causal_attention; the KV-cache
+    decode step (one query against the cache) keeps its own decomposed form."""
+    from graphlm.models import GPT, GPTConfig
+    from graphlm.sample import build_graph
+    cfg = GPTConfig(vocab_size=13, context_length=16, channels=16, head_count=2, layer_count=2)
+    model = GPT(cfg)
+    g, _ = model.loss_graph(2)
+    prefill, _, _ = build_graph(model, 1, 5)
+    decode, _, _ = build_graph(model, 1, None)
+    for graph in (g, prefill):
+        ops = [n.op for n in graph.nodes]
+        assert ops.count("causal_attention") == 2 and "causal_mask" not in ops and "softmax" not in ops
+    assert "causal_attention" not in {n.op for n in decode.nodes}
+
+
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
 def test_set_threads_rejects_what_is_not_a_positive_int(bad):
     with pytest.raises(ValueError, match=f"threads must be a positive int, got {bad!r}"):
@@ -282,6 +348,8 @@ def split_everything(monkeypatch):
     monkeypatch.setattr(numpy_executor, "_MASK_CHUNK", 64)
     monkeypatch.setattr(numpy_executor, "_ADAMW_CHUNK", 100)
     monkeypatch.setattr(numpy_executor, "BLOCK", 500)
+    monkeypatch.setattr(numpy_executor, "ATTENTION_QUERY_BLOCK", 8)   # 4 query blocks at T = 32
+    monkeypatch.setattr(numpy_executor, "ATTENTION_CHUNK", 100)       # one matrix per run
 
 
 def _train_two_steps(dropout: float):

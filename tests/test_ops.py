@@ -207,6 +207,41 @@ def t_causal_mask(x, fill=-math.inf, offset=0):
     return x.masked_fill(torch.ones(t, s, dtype=torch.bool).triu(offset + 1), fill)
 
 
+def np_causal_attention_parts(q, k, scale):
+    s = np_causal_mask(q @ np.swapaxes(k, -1, -2) * scale)
+    return np_softmax(s)
+
+
+def np_causal_attention(q, k, v, scale=None):
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return np_causal_attention_parts(q, k, scale) @ v
+
+
+def np_causal_attention_backward(q, k, v, g, scale):
+    """The textbook softmax gradient (rowsum(P*dP), not the op's rowsum(g*o))."""
+    p = np_causal_attention_parts(q, k, scale)
+    dp = g @ np.swapaxes(v, -1, -2)
+    ds = p * (dp - (p * dp).sum(-1, keepdims=True)) * scale
+    return np.stack([ds @ k, np.swapaxes(ds, -1, -2) @ q, np.swapaxes(p, -1, -2) @ g])
+
+
+def t_causal_attention(q, k, v, scale=None):
+    return TF.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+
+
+def t_causal_attention_backward(q, k, v, g, scale):
+    # (torch's fused attention has no double backward: the plain form, differentiable twice)
+    plain = lambda q, k, v: torch.softmax(t_causal_mask(q @ k.transpose(-1, -2) * scale), -1) @ v
+    return torch.stack(torch.autograd.grad(plain(q, k, v), (q, k, v), g, create_graph=True))
+
+
+def _attention_backward(q, k, v, g, scale):
+    return apply("causal_attention_backward", (q, k, v, gl.causal_attention(q, k, v, scale), g), scale=scale)
+
+
+ATTENTION = [(2, 3, 5, 4), (6, 3), (1, 2, 100, 3)]   # the last: 100 queries make two query blocks
+
+
 def np_embedding_backward(ids, g, rows):
     out = np.zeros((rows, g.shape[-1]), g.dtype)
     np.add.at(out, ids.reshape(-1), g.reshape(-1, g.shape[-1]))
@@ -368,6 +403,15 @@ CASES = [
     Case("softmax_backward", lambda x, g: apply("softmax_backward", (gl.softmax(x), g), axis=x.ndim - 1),
          [(F(*s), F(*s)) for s in NORM], lambda x, g: (lambda y: y * (g - (g * y).sum(-1, keepdims=True)))(np_softmax(x)),
          lambda x, g: tvjp(lambda t: torch.softmax(t, -1), x, g)),
+    Case("causal_attention", gl.causal_attention, [(F(*s), F(*s), F(*s)) for s in ATTENTION],
+         np_causal_attention, t_causal_attention),
+    Case("causal_attention_scaled", lambda q, k, v: gl.causal_attention(q, k, v, scale=0.7),
+         [(F(*s), F(*s), F(*s)) for s in ATTENTION[:2]], lambda q, k, v: np_causal_attention(q, k, v, 0.7),
+         lambda q, k, v: t_causal_attention(q, k, v, 0.7)),
+    Case("causal_attention_backward", lambda q, k, v, g: _attention_backward(q, k, v, g, 0.6),
+         [(F(*s), F(*s), F(*s), F(*s)) for s in ATTENTION],
+         lambda q, k, v, g: np_causal_attention_backward(q, k, v, g, 0.6),
+         lambda q, k, v, g: t_causal_attention_backward(q, k, v, g, 0.6)),
     Case("log_softmax_backward",
          lambda x, g: apply("log_softmax_backward", (gl.log_softmax(x), g), axis=x.ndim - 1),
          [(F(*s), F(*s)) for s in NORM], lambda x, g: g - np_softmax(x) * g.sum(-1, keepdims=True),
