@@ -67,7 +67,7 @@ def test_op_cases_match_reference(case, k, dtype):
     arrays = [a.astype(dtype) if a.dtype.kind == "f" else a for a in inputs_of(case, k)]
     g, outputs = graph_with_grads(case.f, arrays, case.grad or case.fd)
     prog, got, want = both(g, outputs, feeds_of(arrays))
-    exact = dtype == "float64" and not prog.plan.fused
+    exact = dtype == "float64" and prog.rounds_like_reference
     compare(got, want, exact, f"{case.name}-{k} {dtype}")
 
 
@@ -191,7 +191,7 @@ def test_gpt_training_step_matches_reference_and_is_repeatable():
     feeds_copy = {k: v.copy() for k, v in feeds.items()}
     params_copy = {k: v.copy() for k, v in params.items()}
     prog, got, want = both(g, outputs, feeds, params)
-    compare(got, want, not prog.plan.fused, "gpt step")
+    compare(got, want, prog.rounds_like_reference, "gpt step")
     assert prog.plan.inplace_count > 0 and prog.plan.view_count > 0
     again = prog.run(feeds, params)
     for a, b in zip(got, again):
@@ -271,7 +271,9 @@ def test_run_allocates_almost_nothing(tinylm_step):
     """A run allocates little beyond the outputs it returns; and the kernels alone (profile runs
     them without copying outputs, which would hide smaller temporaries) allocate no more on 2
     executor threads than on one: the split pieces and their temporaries are built on the first
-    run, not per run (2 KiB of slack)."""
+    run, not per run. The slack: 2 KiB, plus the one iteration buffer per operand (np.getbufsize()
+    elements) that a NumPy ufunc with a broadcast operand allocates while it runs, which the
+    second thread's pieces hold at the same time as the first's (attention's row statistics)."""
     from executors import numpy_executor
     prog, feeds, params = tinylm_step
     first = prog.run(feeds, params)
@@ -286,7 +288,8 @@ def test_run_allocates_almost_nothing(tinylm_step):
         two = _peak_allocation(lambda: prog.profile(feeds, params))
     finally:
         numpy_executor.set_threads(1)
-    assert one < 0.05 * prog.plan.arena_bytes and two <= one + 2048, (one, two)
+    ufunc_buffers = 3 * np.getbufsize() * 4   # float32 a - b -> out, each operand buffered
+    assert one < 0.05 * prog.plan.arena_bytes and two <= one + 2048 + ufunc_buffers, (one, two)
 
 
 def _peak_allocation(fn) -> int:

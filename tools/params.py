@@ -187,7 +187,8 @@ def flops_per_token(config, seq_len: int | None = None) -> dict[str, Any]:
     Counts the matrix products (a multiply-add is 2 FLOPs), which are all but a few percent of
     the work; norms, activations, softmax and the optimizer's per-parameter update are left
     out. Per layer and token: QKV 6C^2, attention scores and weighted values 4*T*C (the full
-    T x T product is computed, then masked), output projection 2C^2, MLP 16C^2 (SwiGLU: 12C^2);
+    T x T products, the usual convention for MFU; the numpy executor's causal attention skips
+    the blocks above the diagonal), output projection 2C^2, MLP 16C^2 (SwiGLU: 12C^2);
     the head 2CV. A training step is the forward plus a backward that computes two products
     (input and weight gradients) for each forward one: 3x the forward.
     """
@@ -203,17 +204,23 @@ def flops_per_token(config, seq_len: int | None = None) -> dict[str, Any]:
 
 
 def matmul_flops(graph: Graph, kinds=("forward", "backward")) -> dict[str, int]:
-    """The FLOPs of the graph's matmul nodes, counted from their shapes, by node kind."""
+    """The FLOPs of the graph's matrix products, counted from node shapes, by node kind: matmul
+    nodes, and the products inside fused causal attention (2 forward, 4 backward, each
+    2*T*T*D per matrix, full T x T as in `flops_per_token`)."""
+    attention_products = {"causal_attention": 2, "causal_attention_backward": 4}
     out = {k: 0 for k in kinds}
     for n in graph.nodes:
-        if n.op != "matmul":
-            continue
         kind = node_kind(n)
         if kind not in out:
             continue
-        a = n.inputs[0]
-        k = a.shape[-1] if a.ndim else 1
-        out[kind] += 2 * int(np.prod(n.shape, dtype=np.int64)) * int(k)
+        if n.op == "matmul":
+            a = n.inputs[0]
+            k = a.shape[-1] if a.ndim else 1
+            out[kind] += 2 * int(np.prod(n.shape, dtype=np.int64)) * int(k)
+        elif n.op in attention_products:
+            q = n.inputs[0]
+            matrices = int(np.prod(q.shape[:-2], dtype=np.int64))
+            out[kind] += attention_products[n.op] * 2 * matrices * q.shape[-2] ** 2 * q.shape[-1]
     return out
 
 
