@@ -2,14 +2,17 @@
 
 The same architecture, the same initial weights and the same step (forward with dropout, mean
 cross-entropy, backward, global-norm clipping at 1.0, AdamW with decay on matrices only) in both
-frameworks. Per batch size: after warm-up, the two step functions are timed alternately (so load
-from other processes hits both alike); the median ms/step, tokens/s, the ratio graphlm / PyTorch
-and the MFU (analytic matmul FLOPs of tools.params.flops_per_token over the measured
-``np.matmul`` 2048^3 rate of the same run) are reported.
+frameworks. PyTorch runs in two forms: "torch" spells attention out (matmul, masked_fill,
+softmax, matmul), and "torch_sdpa" uses its fused ``F.scaled_dot_product_attention(is_causal=True)``
+(flash attention on CPU), the counterpart of graphlm's fused ``causal_attention`` op. Per batch
+size: after warm-up, the three step functions are timed in turns (so load from other processes
+hits all alike); the median ms/step, tokens/s, the ratios graphlm / PyTorch and the MFU
+(analytic matmul FLOPs of tools.params.flops_per_token over the measured ``np.matmul`` 2048^3
+rate of the same run) are reported.
 
 Honesty check: before timing, both run two steps from the same weights with the *same* dropout
-masks (graphlm's counter-based masks, multiplied in by the PyTorch model) and must agree on both
-losses within 1e-4 (the second loss checks clipping and AdamW too).
+masks (graphlm's counter-based masks, multiplied in by the PyTorch models) and must agree on both
+losses within 1e-4 (the second loss checks clipping and AdamW too), in both PyTorch forms.
 
 Peak memory: each framework trains in its own subprocess (a few steps at each batch size) and
 reports its peak resident set (VmHWM) and the peak over its resident set right after imports;
@@ -97,10 +100,11 @@ class GraphlmStep:
 # == PyTorch eager: the same model ====================================================================
 
 class TorchStep:
-    """TinyLM in PyTorch eager, parameters copied from graphlm's initialisation."""
+    """TinyLM in PyTorch eager, parameters copied from graphlm's initialisation; `sdpa` selects
+    torch's fused attention instead of the spelled-out form."""
 
-    def __init__(self, config: GPTConfig, params: dict, torch):
-        self.t, self.c = torch, config
+    def __init__(self, config: GPTConfig, params: dict, torch, sdpa: bool = False):
+        self.t, self.c, self.sdpa = torch, config, sdpa
         self.p = {k: torch.tensor(np.array(v), requires_grad=True) for k, v in params.items()}
         decay = [v for v in self.p.values() if v.ndim >= 2]
         no_decay = [v for v in self.p.values() if v.ndim < 2]
@@ -129,9 +133,13 @@ class TorchStep:
             a = self.ln(x, f"{pre}.attention_norm").reshape(1, b * t, c.channels)
             qkv = a @ p[f"{pre}.attention.qkv_weight"] + p[f"{pre}.attention.qkv_bias"].reshape(3, 1, c.channels)
             q, k, v = (qkv[j].reshape(b, t, h, d).transpose(1, 2) for j in range(3))
-            scores = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(d))
-            scores = scores.masked_fill(self.causal[:t, :t], float("-inf"))
-            ctx = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, c.channels)
+            if self.sdpa:   # torch's fused attention (flash attention on CPU)
+                ctx = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:
+                scores = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(d))
+                scores = scores.masked_fill(self.causal[:t, :t], float("-inf"))
+                ctx = scores.softmax(-1) @ v
+            ctx = ctx.transpose(1, 2).reshape(b, t, c.channels)
             x = x + self.drop(F.linear(ctx, p[f"{pre}.attention.output.weight"],
                                        p[f"{pre}.attention.output.bias"]), masks)
             m = self.ln(x, f"{pre}.mlp_norm")
@@ -179,56 +187,62 @@ def loss_check(config, batch, torch) -> dict:
     """Two steps of both frameworks from the same weights and the same dropout masks."""
     gs = GraphlmStep(config, batch)
     ts = TorchStep(config, gs.state, torch)
+    tf = TorchStep(config, gs.state, torch, sdpa=True)
     x, y = batch_data(config, batch)
     xt, yt = torch.from_numpy(x), torch.from_numpy(y)
     shape = (batch, config.context_length, config.channels)
     losses = []
     for key in (11, 12):
-        masks = [torch.from_numpy(m) for m in gs.masks(key, shape)] if gs.uses_dropout else None
-        losses.append((gs.step(x, y, key), ts.step(xt, yt, masks)))
-    diffs = [abs(a - b) for a, b in losses]
-    return {"graphlm_losses": [a for a, _ in losses], "torch_losses": [b for _, b in losses],
+        masks = (lambda: [torch.from_numpy(m) for m in gs.masks(key, shape)] if gs.uses_dropout else None)
+        losses.append((gs.step(x, y, key), ts.step(xt, yt, masks()), tf.step(xt, yt, masks())))
+    diffs = [max(abs(a - b), abs(a - c)) for a, b, c in losses]
+    return {"graphlm_losses": [a for a, _, _ in losses], "torch_losses": [b for _, b, _ in losses],
+            "torch_sdpa_losses": [c for _, _, c in losses],
             "max_abs_diff": max(diffs), "ok": max(diffs) <= LOSS_TOLERANCE}
 
 
 def time_batch(config, batch, steps, warmup, torch, peak_gflops, gap: float, block: int) -> dict:
-    """Median ms per step of each framework. The frameworks take turns (alternating who goes
+    """Median ms per step of each framework. The frameworks take turns (rotating who goes
     first) in blocks: `gap` seconds of sleep (the other's idle threads stop spinning), one
     untimed step (caches and clocks come back after the switch), then `block` timed steps back
     to back, as in training. block 1 with no untimed step was the protocol before (see
     docs/performance.md: every step then starts cold)."""
     gs = GraphlmStep(config, batch)
     ts = TorchStep(config, gs.state, torch)
+    tf = TorchStep(config, gs.state, torch, sdpa=True)
     x, y = batch_data(config, batch)
     xt, yt = torch.from_numpy(x), torch.from_numpy(y)
     for s in range(warmup):
         gs.step(x, y, 100 + s)
         ts.step(xt, yt)
-    g_times, t_times = [], []
+        tf.step(xt, yt)
+    times = {"graphlm": [], "torch": [], "torch_sdpa": []}
     keys = itertools.count(1000)   # a new dropout key per graphlm step
-    run = {"g": lambda: gs.step(x, y, next(keys)), "t": lambda: ts.step(xt, yt)}
+    run = {"graphlm": lambda: gs.step(x, y, next(keys)), "torch": lambda: ts.step(xt, yt),
+           "torch_sdpa": lambda: tf.step(xt, yt)}
+    order = list(run)
     for r in range(-(-steps // block)):
-        for who in ("g", "t") if r % 2 == 0 else ("t", "g"):
+        for who in order[r % 3:] + order[:r % 3]:
             time.sleep(gap)
             if block > 1:
                 run[who]()
-            times = g_times if who == "g" else t_times
             for _ in range(min(block, steps - r * block)):
-                times.append(_timed(run[who]))
+                times[who].append(_timed(run[who]))
     tokens = batch * config.context_length
     flops = flops_per_token(config)["train_step"] * tokens
-    g_ms, t_ms = statistics.median(g_times) * 1e3, statistics.median(t_times) * 1e3
+    ms = {who: statistics.median(t) * 1e3 for who, t in times.items()}
+    row = {"batch": batch, "tokens_per_step": tokens, "steps_timed": steps}
+    for who in order:
+        row[f"{who}_ms"] = round(ms[who], 2)
+        row[f"{who}_min_ms"] = round(min(times[who]) * 1e3, 2)
+        row[f"{who}_tokens_per_s"] = round(tokens / ms[who] * 1e3, 1)
     return {
-        "batch": batch, "tokens_per_step": tokens, "steps_timed": steps,
-        "graphlm_ms": round(g_ms, 2), "torch_ms": round(t_ms, 2),
-        "graphlm_min_ms": round(min(g_times) * 1e3, 2), "torch_min_ms": round(min(t_times) * 1e3, 2),
-        "graphlm_tokens_per_s": round(tokens / g_ms * 1e3, 1),
-        "torch_tokens_per_s": round(tokens / t_ms * 1e3, 1),
-        "ratio_graphlm_over_torch": round(g_ms / t_ms, 3),
+        **row,
+        "ratio_graphlm_over_torch": round(ms["graphlm"] / ms["torch"], 3),
+        "ratio_graphlm_over_torch_sdpa": round(ms["graphlm"] / ms["torch_sdpa"], 3),
         "matmul_gflop_per_step": round(flops / 1e9, 3),
         "matmul_lower_bound_ms": round(flops / peak_gflops / 1e6, 2),
-        "graphlm_mfu": round(flops / (g_ms / 1e3) / (peak_gflops * 1e9), 4),
-        "torch_mfu": round(flops / (t_ms / 1e3) / (peak_gflops * 1e9), 4),
+        **{f"{who}_mfu": round(flops / (ms[who] / 1e3) / (peak_gflops * 1e9), 4) for who in order},
         "arena_mib": round(gs.program.plan.arena_bytes / 2 ** 20, 2),
         "kept_mib": round(gs.program.kept_bytes() / 2 ** 20, 2),
     }
@@ -246,12 +260,12 @@ def memory_child(framework: str, batch: int, steps: int) -> dict:
     """Runs in a subprocess: a few training steps of one framework; peak RSS in MiB."""
     config = GPTConfig.preset("tinylm")
     x, y = batch_data(config, batch)
-    if framework == "torch":
+    if framework.startswith("torch"):
         import torch
         torch.set_num_threads(THREADS)
         base = _rss_kib("VmRSS")
         params = GPT(config).init(0)
-        ts = TorchStep(config, params, torch)
+        ts = TorchStep(config, params, torch, sdpa=framework == "torch_sdpa")
         del params
         xt, yt = torch.from_numpy(x), torch.from_numpy(y)
         for _ in range(steps):
@@ -268,7 +282,7 @@ def memory_child(framework: str, batch: int, steps: int) -> dict:
 
 def measure_memory(batch: int, threads: int) -> dict:
     out = {}
-    for fw in ("graphlm", "torch"):
+    for fw in ("graphlm", "torch", "torch_sdpa"):
         r = subprocess.run([sys.executable, __file__, "--child", fw, "--batches", str(batch),
                             "--threads", str(threads)], capture_output=True, text=True, check=True)
         out[fw] = json.loads(r.stdout.strip().splitlines()[-1])
@@ -321,22 +335,24 @@ def profile_table(prof: dict) -> str:
 
 def markdown(result: dict) -> str:
     lines = [f"TinyLM training step, {result['threads']} thread(s), turns of {result.get('block', 1)} steps, np.matmul 2048^3 peak "
-             f"{result['matmul_peak_gflops']} GFLOP/s, dropout {result['config']['dropout']}",
+             f"{result['matmul_peak_gflops']} GFLOP/s, dropout {result['config']['dropout']}. "
+             "torch: attention spelled out; torch_sdpa: F.scaled_dot_product_attention",
              "",
-             "| batch | graphlm ms | torch ms | graphlm / torch | graphlm tok/s | torch tok/s "
-             "| graphlm MFU | torch MFU | matmul bound ms | graphlm peak MiB | torch peak MiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| batch | graphlm ms | torch ms | torch_sdpa ms | graphlm / torch | graphlm / torch_sdpa "
+             "| graphlm tok/s | graphlm MFU | torch MFU | torch_sdpa MFU | matmul bound ms "
+             "| peak MiB graphlm / torch / torch_sdpa |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         mem = result.get("memory", {}).get(str(r["batch"]), {})
-        gm = mem.get("graphlm", {}).get("peak_rss_mib", "-")
-        tm = mem.get("torch", {}).get("peak_rss_mib", "-")
-        lines.append(f"| {r['batch']} | {r['graphlm_ms']} | {r['torch_ms']} | {r['ratio_graphlm_over_torch']} "
-                     f"| {r['graphlm_tokens_per_s']} | {r['torch_tokens_per_s']} | {100 * r['graphlm_mfu']:.1f}% "
-                     f"| {100 * r['torch_mfu']:.1f}% | {r['matmul_lower_bound_ms']} | {gm} | {tm} |")
+        peaks = " / ".join(str(mem.get(fw, {}).get("peak_rss_mib", "-")) for fw in ("graphlm", "torch", "torch_sdpa"))
+        lines.append(f"| {r['batch']} | {r['graphlm_ms']} | {r['torch_ms']} | {r.get('torch_sdpa_ms', '-')} "
+                     f"| {r['ratio_graphlm_over_torch']} | {r.get('ratio_graphlm_over_torch_sdpa', '-')} "
+                     f"| {r['graphlm_tokens_per_s']} | {100 * r['graphlm_mfu']:.1f}% | {100 * r['torch_mfu']:.1f}% "
+                     f"| {100 * r.get('torch_sdpa_mfu', float('nan')):.1f}% | {r['matmul_lower_bound_ms']} | {peaks} |")
     chk = result["loss_check"]
     lines += ["", f"first two losses (same weights, same dropout masks): graphlm {chk['graphlm_losses']}, "
-              f"torch {chk['torch_losses']}, max |diff| {chk['max_abs_diff']:.2e} "
-              f"({'ok' if chk['ok'] else 'MISMATCH'}, tolerance {LOSS_TOLERANCE})"]
+              f"torch {chk['torch_losses']}, torch_sdpa {chk.get('torch_sdpa_losses')}, "
+              f"max |diff| {chk['max_abs_diff']:.2e} ({'ok' if chk['ok'] else 'MISMATCH'}, tolerance {LOSS_TOLERANCE})"]
     return "\n".join(lines)
 
 
@@ -363,7 +379,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="print graphlm's time per op kind instead")
     ap.add_argument("--json", default="benchmarks/train_step.json", help="JSON output ('-': stdout)")
     ap.add_argument("--markdown", help="also write the markdown table here")
-    ap.add_argument("--child", choices=["graphlm", "torch"], help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=["graphlm", "torch", "torch_sdpa"], help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     THREADS = args.threads
     numpy_executor.set_threads(args.threads)   # graphlm: the executor's threads, BLAS on one
