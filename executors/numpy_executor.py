@@ -23,17 +23,19 @@ The kernel table
 An op with a reference kernel but no entry here runs the reference kernel and copies its result
 into the planned buffer (correct, but it allocates); an op with neither fails at compile.
 Kernels compute exactly the reference's arithmetic, in the same order, so float results match
-the reference bit for bit except where noted.
+the reference bit for bit except where noted (`ROUNDS_OWN_WAY`: causal attention in query blocks,
+see its section; `NumpyProgram.rounds_like_reference` says whether a program is exact).
 
 Compile-time passes (before planning; each replaces graph nodes by `FusedNode`s that name
 executor-private kernels, and none changes a result bit): `fuse_matmul_sums` (weight
 gradients: the summed batch folded into one matmul; this one does round differently),
 `assemble_slice_gradients` (the QKV gradient in one node), `fuse_attention_softmax` (scale and
 causal mask folded into softmax and its backward), `share_dropout_masks` (one mask per
-forward/backward pair, drawn once per run), `pair_gelu_backward` and `pair_layer_norm_backward`
-(the forward keeps what the backward would recompute, in arena blocks that live until their
-last reader: kernel scratch specs ``(shape, dtype, until_node_id)``). Multi-pass
-kernels run block by block (`_blocked`, `BLOCK` elements) so their passes hit cache;
+forward/backward pair, drawn once per run), `pair_gelu_backward`, `pair_layer_norm_backward`
+and `pair_attention_backward` (the forward keeps what the backward would recompute, in arena
+blocks that live until their last reader: kernel scratch specs ``(shape, dtype,
+until_node_id)``). Multi-pass kernels run block by block (`_blocked`, `BLOCK` elements) so their
+passes hit cache;
 `set_threads(n)` splits large kernels over n threads (see "threads" below; results do not depend
 on n). `NumpyProgram.profile` times each kernel.
 """
@@ -705,7 +707,8 @@ def _matmul_closure(a, b, out):
 
 @kernel("matmul")
 def _matmul(node, out, ins, scratch):
-    # (folding the batch into the rows of one product is not faster here and changes rounding)
+    # (folding the batch into the rows of one product: 1-3 % faster matmuls in the batch-8 step,
+    # where isolated and cache-hot it is 20-37 %; not done, it changes float32 rounding)
     return _matmul_closure(ins[0], ins[1], out)
 
 
@@ -1116,9 +1119,9 @@ def _softmax_backward_fused(node, out, ins, scratch):
 # block diagonal (a quarter of them with two blocks) are never computed, exponentiated or
 # multiplied, nor stored: the scores are kept block after block, block b of all matrices as one
 # contiguous [..., r1 - r0, r1] array (strided sub-blocks would make NumPy's broadcasting passes
-# buffer every operand and run 2.5x slower per element). Per run of matrices (ATTENTION_CHUNK score elements,
-# so a block's passes stay in cache) the forward keeps E = exp(s - rowmax) unnormalised and
-# l = rowsum(E); the output is (E @ v) / l, and the backward works from E and g / l:
+# buffer every operand and run 2.5x slower per element). Per run of matrices (ATTENTION_CHUNK
+# score elements, so a block's passes stay in cache) the forward keeps E = exp(s - rowmax)
+# unnormalised and l = rowsum(E); the output is (E @ v) / l, and the backward works from E and g/l:
 #   ds = E * ((g/l) @ v^T - rowsum(g*o)/l)   (= P * (dP - rowsum(P*dP)), the softmax gradient)
 #   dq = ds @ k * scale,  dk = ds^T @ q * scale,  dv = E^T @ (g/l)
 # (dk and dv summed over the query blocks). The scale multiplies q (forward) and dq, dk (backward)
