@@ -557,6 +557,26 @@ class _SavedSigmoid:
         self.until: int | None = None   # the last backward node reading s (ends its lifetime)
 
 
+def _pair_with_slots(nodes, pairs, slot_type, keep_op: str, kept_op: str):
+    """Rewrite every forward node in `pairs` (forward id -> its backward ids, in run order) to
+    `keep_op` and its backward nodes to `kept_op`, sharing one new `slot_type()` whose `until`
+    is the last of those backward nodes (the kept arrays live until it). Returns the node list."""
+    if not pairs:
+        return list(nodes)
+    slots = {fid: slot_type() for fid in pairs}
+    for fid, bids in pairs.items():
+        slots[fid].until = bids[-1]
+    slot_of = {bid: slots[fid] for fid, bids in pairs.items() for bid in bids}
+    out = []
+    for n in nodes:
+        if n.id in slots:
+            n = FusedNode(n, keep_op, n.inputs, {**n.attrs, "slot": slots[n.id]})
+        elif n.id in slot_of:
+            n = FusedNode(n, kept_op, n.inputs, {**n.attrs, "slot": slot_of[n.id]})
+        out.append(n)
+    return out
+
+
 def pair_gelu_backward(nodes):
     """Let each float32 tanh-GELU whose input also feeds a ``gelu_backward`` keep its sigmoid for
     that backward: ``gelu`` -> ``gelu_keep_sigmoid``, ``gelu_backward`` -> ``gelu_backward_sigmoid``
@@ -571,20 +591,7 @@ def pair_gelu_backward(nodes):
             fk, f = forward[n.inputs[0].id]
             if fk < k and n.dtype == np.float32:
                 pairs.setdefault(f.id, []).append(n.id)
-    if not pairs:
-        return list(nodes)
-    slots = {fid: _SavedSigmoid() for fid in pairs}
-    for fid, bids in pairs.items():
-        slots[fid].until = bids[-1]
-    slot_of = {bid: slots[fid] for fid, bids in pairs.items() for bid in bids}
-    out = []
-    for n in nodes:
-        if n.id in slots:
-            n = FusedNode(n, "gelu_keep_sigmoid", n.inputs, {**n.attrs, "slot": slots[n.id]})
-        elif n.id in slot_of:
-            n = FusedNode(n, "gelu_backward_sigmoid", n.inputs, {**n.attrs, "slot": slot_of[n.id]})
-        out.append(n)
-    return out
+    return _pair_with_slots(nodes, pairs, _SavedSigmoid, "gelu_keep_sigmoid", "gelu_backward_sigmoid")
 
 
 @kernel("gelu_keep_sigmoid", scratch=lambda node, pos: [(node.shape, node.dtype, node.attrs["slot"].until)])
@@ -1260,20 +1267,8 @@ def pair_attention_backward(nodes):
             f = forward[n.inputs[3].id]
             if all(a.id == b.id for a, b in zip(f.inputs, n.inputs[:3])) and f.attrs == n.attrs:
                 pairs.setdefault(f.id, []).append(n.id)
-    if not pairs:
-        return list(nodes)
-    slots = {fid: _SavedScores() for fid in pairs}
-    for fid, bids in pairs.items():
-        slots[fid].until = bids[-1]
-    slot_of = {bid: slots[fid] for fid, bids in pairs.items() for bid in bids}
-    out = []
-    for n in nodes:
-        if n.id in slots:
-            n = FusedNode(n, "causal_attention_keep", n.inputs, {**n.attrs, "slot": slots[n.id]})
-        elif n.id in slot_of:
-            n = FusedNode(n, "causal_attention_backward_kept", n.inputs, {**n.attrs, "slot": slot_of[n.id]})
-        out.append(n)
-    return out
+    return _pair_with_slots(nodes, pairs, _SavedScores, "causal_attention_keep",
+                            "causal_attention_backward_kept")
 
 
 def _scores_specs(shape, dtype, *keep):
