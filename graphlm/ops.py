@@ -1026,9 +1026,11 @@ def _infer_attention(inputs, attrs):
     q, k, v = inputs[:3]
     for name, t in zip(("q", "k", "v"), (q, k, v)):
         _require_float(t, name)
-    if q.ndim < 2 or not (q.shape == k.shape == v.shape):
+    if not (q.shape == k.shape == v.shape):
         raise ShapeError(f"q, k and v must have one shape [..., T, D], got {fmt_shape(q.shape)}, "
                          f"{fmt_shape(k.shape)} and {fmt_shape(v.shape)}")
+    if q.ndim < 2 or q.shape[-2] == 0:
+        raise ShapeError(f"q, k and v must be [..., T, D] with T >= 1, got {fmt_shape(q.shape)}")
     for name, t in zip(("output", "output gradient"), inputs[3:]):
         if t.shape != q.shape:
             raise ShapeError(f"{name} {fmt_shape(t.shape)} must have the shape of q {fmt_shape(q.shape)}")

@@ -165,6 +165,14 @@ SHAPE_ERRORS = [
     (lambda g, x: gl.dropout(x, 0.5, g.input("k", (2,), "int64")),
      "dropout in <root>: dropout key must be a scalar integer tensor, got [2]"),
     (lambda g, x: gl.gelu(x, "fast"), "gelu in <root>: approximate must be 'tanh' or 'none', got 'fast'"),
+    (lambda g, x: gl.causal_attention(x, x, g.input("v", (2, 4))),
+     "causal_attention in <root>: q, k and v must have one shape [..., T, D], got [2,3], [2,3] and [2,4]"),
+    (lambda g, x: gl.causal_attention(*(g.input(n, (5,)) for n in "qkv")),
+     "causal_attention in <root>: q, k and v must be [..., T, D] with T >= 1, got [5]"),
+    (lambda g, x: gl.causal_attention(*(g.input(n, (2, 0, 4)) for n in "qkv")),
+     "causal_attention in <root>: q, k and v must be [..., T, D] with T >= 1, got [2,0,4]"),
+    (lambda g, x: gl.causal_attention(x, g.input("i", (2, 3), "int64"), x),
+     "causal_attention in <root>: k must be floating point, got int64 [2,3]"),
 ]
 
 
