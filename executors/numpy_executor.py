@@ -340,13 +340,18 @@ def _size_groups(sizes, n: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
 
 
-def _run_blocks(body, blocks):
-    """A closure running body over every block, the blocks split into contiguous runs per thread."""
+def _run_blocks(body, blocks, blocks_for=None):
+    """A closure running body over every block, the blocks split into contiguous runs per thread.
+    `blocks_for(n)`, when given, builds the blocks for n threads instead (an empty list: run
+    whole)."""
     def run_all(part):
         for block in part:
             body(*block)
-    return _threaded(functools.partial(run_all, blocks),
-                     lambda n: [functools.partial(run_all, blocks[a:b]) for a, b in _cuts(len(blocks), n)])
+
+    def split(n):
+        bl = blocks if blocks_for is None else blocks_for(n)
+        return [functools.partial(run_all, bl[a:b]) for a, b in _cuts(len(bl), n)]
+    return _threaded(functools.partial(run_all, blocks), split)
 
 
 def _rowwise(body, arrays, rows: int):
@@ -1179,24 +1184,14 @@ def _attention_chunks(lead, t: int, pieces: int = 1) -> list[tuple]:
 
 def _attention_closure(body, arrays, lead, t: int, flops: int):
     """A closure running `body` over runs of matrices of `arrays` (each indexed by the run), the
-    runs split over the executor's threads when the work is large."""
+    runs cut finer and split over the executor's threads when the work is large."""
     def runs(pieces):
         return [tuple(a[idx] for a in arrays) for idx in _attention_chunks(lead, t, pieces)]
-
-    def run_all(part):
-        for views in part:
-            body(*views)
-    whole = functools.partial(run_all, runs(1))
-    if flops < MIN_SPLIT_FLOPS:
-        return whole
-
-    def split(n):
-        part = runs(n)
-        return [functools.partial(run_all, part[a:b]) for a, b in _cuts(len(part), n)]
-    return _threaded(whole, split)
+    return _run_blocks(body, runs(1), runs if flops >= MIN_SPLIT_FLOPS else lambda n: [])
 
 
 def _attention_flops(shape) -> int:
+    """The forward's product FLOPs with the masked quarter skipped (a split threshold only)."""
     t, d = shape[-2:]
     return 4 * int(np.prod(shape[:-2], dtype=np.int64)) * t * t * d * 3 // 4
 
@@ -1232,11 +1227,12 @@ def _attention_gradients(q, k, v, o, g, l, dq, dk, dv, gs, dd, tmp, e, ds, scale
     # [0, r1): the last block (all keys) writes, the others add
     for i in reversed(range(len(blocks))):
         r0, r1 = blocks[i]
+        last = i == len(blocks) - 1
         for a, b, out in ((ds[i], q, dk), (e[i], gs, dv)):
-            dst = out[..., :r1, :] if i < len(blocks) - 1 else out
-            np.matmul(np.swapaxes(a, -1, -2), b[..., r0:r1, :], tmp[..., :r1, :] if dst is not out else out)
-            if dst is not out:
-                np.add(dst, tmp[..., :r1, :], dst)
+            target = out if last else tmp[..., :r1, :]
+            np.matmul(np.swapaxes(a, -1, -2), b[..., r0:r1, :], target)
+            if not last:
+                np.add(out[..., :r1, :], target, out[..., :r1, :])
     np.multiply(dq, scale, dq)
     np.multiply(dk, scale, dk)
 
