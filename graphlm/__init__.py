@@ -11,11 +11,11 @@ from . import ops
 from .ir import Graph, GraphError, ShapeError, Tensor
 from .autodiff import grad, vjp
 from .registry import REGISTRY, OpDef, get_op
-from .ops import (add, broadcast_to, cast, causal_attention, causal_mask, concat, cross_entropy, div, dropout,
-                  embedding, equal, erf, exp, gelu, greater, layer_norm, less, log, log_softmax,
-                  matmul, max, maximum, mean, mul, neg, one_hot, pow, relu, reshape, rms_norm,
-                  rsqrt, sigmoid, silu, slice, softmax, split, sqrt, square, sub, sum, swapaxes,
-                  tanh, transpose, where)
+from .ops import (add, broadcast_to, cast, causal_attention, causal_mask, concat, cross_entropy,
+                  div, dropout, embedding, equal, erf, exp, gelu, greater, layer_norm, less, log,
+                  log_softmax, matmul, max, maximum, mean, mul, neg, one_hot, pow, relu, reshape,
+                  rms_norm, rsqrt, sigmoid, silu, slice, softmax, split, sqrt, square, sub, sum,
+                  swapaxes, tanh, transpose, where)
 
 _ir._ops = ops
 

@@ -1020,7 +1020,7 @@ def causal_mask(scores, fill: float = -math.inf, offset: int = 0) -> Tensor:
 # --- causal_attention ------------------------------------------------------------------------------
 # Fused causal self-attention, as ggml's flash_attn_ext and torch's scaled_dot_product_attention
 # (is_causal=True): one node instead of matmul, scale, mask, softmax, matmul. Executors can then
-# skip the masked half of the scores (the numpy kernel works in query blocks, see
+# skip the masked scores (the numpy kernel works in query blocks, see
 # docs/architecture.md); the decomposition below is the definition.
 def _infer_attention(inputs, attrs):
     q, k, v = inputs[:3]
