@@ -228,6 +228,17 @@ def test_causal_attention_in_query_blocks_matches_reference(monkeypatch, query_b
     assert prog.kept_bytes() == kept * 6 * np.dtype(dtype).itemsize
 
 
+def test_rounds_like_reference_is_false_only_with_a_kernel_that_rounds_its_own_way():
+    """The flag the executor tests use to choose bit-for-bit or tolerance comparison: the same
+    attention spelled out (exact kernels) says True, the fused op says False."""
+    g = gl.Graph("flag")
+    q, k, v = (g.input(n, (2, 5, 4), "float64") for n in "qkv")
+    spelled = gl.softmax(gl.causal_mask(q @ gl.swapaxes(k, -1, -2) * 0.5), -1) @ v
+    fused = gl.causal_attention(q, k, v, scale=0.5)
+    assert NUMPY.compile(g, [spelled]).rounds_like_reference
+    assert not NUMPY.compile(g, [fused]).rounds_like_reference
+
+
 def test_gpt_attention_is_one_fused_node_and_the_decode_path_is_not():
     """The model's training graph and the cached prefill use causal_attention; the KV-cache
     decode step (one query against the cache) keeps its own decomposed form."""
