@@ -307,7 +307,9 @@ def _peak_allocation(fn) -> int:
 def test_plan_quality_on_the_training_step(tinylm_step):
     plan = tinylm_step[0].plan
     assert plan.arena_bytes <= 1.05 * plan.lower_bound_bytes, str(plan)
-    assert plan.naive_bytes >= 3.4 * plan.arena_bytes, str(plan)
+    # (the ratio depends on the graph: 3.6x before Linear folded its rows into one product,
+    # which removed the [B, in, out] per-batch weight-gradient products; the arena is unchanged)
+    assert plan.naive_bytes >= 3.0 * plan.arena_bytes, str(plan)
     assert not plan.overlapping_pairs()
     check_plan_disjoint(plan)
     assert "arena" in str(plan) and "lower bound" in str(plan)
