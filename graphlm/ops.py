@@ -540,6 +540,9 @@ def transpose(x, axes=None) -> Tensor:
     axes = tuple(int(a) % x.ndim if x.ndim else int(a) for a in axes)
     if axes == tuple(range(x.ndim)):
         return x
+    if x.op == "transpose" and len(axes) == x.ndim:   # two permutations are one (or none)
+        inner = x.attrs["axes"]
+        return transpose(x.inputs[0], tuple(inner[a] for a in axes))
     return apply("transpose", (x,), axes=axes)
 
 
@@ -709,8 +712,12 @@ def _infer_matmul(inputs, attrs):
 
 def _matmul_vjp(y, g):
     a, b = y.inputs
-    return [unbroadcast(matmul(g, swapaxes(b, -1, -2)), a.shape),
-            unbroadcast(matmul(swapaxes(a, -1, -2), g), b.shape)]
+    ga = unbroadcast(matmul(g, swapaxes(b, -1, -2)), a.shape)
+    if a.ndim == b.ndim == 2 and b.op == "transpose":
+        # b = W^T (Linear): W's gradient comes out as g^T @ a, contiguous [out, in], where
+        # a^T @ g would reach W as a transposed view (the transpose's VJP cancels this one)
+        return [ga, transpose(matmul(transpose(g), a))]
+    return [ga, unbroadcast(matmul(swapaxes(a, -1, -2), g), b.shape)]
 
 
 register("matmul", _infer_matmul, vjp=_matmul_vjp, doc="batched matrix product (np.matmul)",

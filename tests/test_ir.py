@@ -74,6 +74,19 @@ def test_operators_build_the_matching_ops():
     assert a.astype("float64").dtype == np.float64 and a.astype("float32") is a
 
 
+def test_a_transpose_of_a_transpose_is_one_permutation_or_none():
+    g = gl.Graph("t")
+    x = g.input("x", (2, 3, 4))
+    y = gl.transpose(x, (1, 2, 0))                       # [3, 4, 2]
+    z = gl.transpose(y, (2, 0, 1))                       # back to [2, 3, 4]
+    assert z is x
+    w = gl.transpose(y, (0, 2, 1))                       # [3, 2, 4] = x.transpose(1, 0, 2)
+    assert w.op == "transpose" and w.inputs[0] is x and w.attrs["axes"] == (1, 0, 2)
+    a = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    (out,) = executors.compile(g, [w]).run({"x": a}, {})
+    np.testing.assert_array_equal(out, a.transpose(1, 2, 0).transpose(0, 2, 1))
+
+
 def test_python_scalars_become_consts_of_the_other_operands_dtype():
     g = gl.Graph()
     x32 = g.input("x32", (2,))

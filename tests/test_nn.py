@@ -198,6 +198,29 @@ def test_linear_embedding_norms_against_numpy(rng):
     assert nn.LayerNorm(4).init(0)["weight"].tolist() == [1, 1, 1, 1]
 
 
+def test_linear_folds_leading_axes_into_one_product_and_its_weight_gradient_is_contiguous(rng):
+    """x [2, 3, 4] runs as one [6, 4] @ [4, 5] product (not a batch of [3, 4] ones), and the
+    weight's gradient is the product g^T @ x of shape [out, in] itself, not a transposed view of
+    x^T @ g (the optimizer then reads it as one flat array)."""
+    x = rng.standard_normal((2, 3, 4)).astype(np.float32)
+    gy = rng.standard_normal((2, 3, 5)).astype(np.float32)
+    g = gl.Graph("t")
+    xi, gi = g.input("x", x.shape), g.input("gy", gy.shape)
+    lin = nn.Linear(4, 5)
+    y = lin(xi)
+    assert y.shape == (2, 3, 5)
+    (mm,) = [n for n in g.nodes if n.op == "matmul"]
+    assert mm.inputs[0].shape == (6, 4) and mm.shape == (6, 5)
+    w = g.params["weight"]
+    (dw,) = gl.grad(gl.sum(y * gi), [w])
+    assert dw.op == "matmul" and dw.shape == (5, 4), (dw.op, dw.shape)
+    p = lin.init(0)
+    for ex in ("reference", "numpy"):
+        out, got = executors.compile(g, [y, dw], executor=ex).run({"x": x, "gy": gy}, p)
+        np.testing.assert_allclose(out, x @ p["weight"].T + p["bias"], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got, gy.reshape(6, 5).T @ x.reshape(6, 4), rtol=1e-5, atol=1e-5)
+
+
 def test_mlp_and_swiglu_against_numpy(rng):
     x = rng.standard_normal((2, 3, 4)).astype(np.float32)
     mlp = nn.MLP(4, [6, 5], 3, activation="relu")
