@@ -292,6 +292,28 @@ def test_run_allocates_almost_nothing(tinylm_step):
     assert one < 0.05 * prog.plan.arena_bytes and two <= one + 2048 + ufunc_buffers, (one, two)
 
 
+def test_a_training_step_with_adamw_allocates_less_than_one_parameter():
+    """Forward, backward, global norm and AdamW: every gradient reaches the update as one flat
+    array (a Linear's weight gradient is not a transposed view), so the update needs no
+    whole-parameter temporaries; a run allocates less than the largest parameter's bytes."""
+    from graphlm.models import GPT, GPTConfig
+    from graphlm.optim import AdamW
+
+    cfg = GPTConfig(vocab_size=11, context_length=8, channels=64, head_count=2, layer_count=2)
+    model = GPT(cfg)
+    g, loss = model.loss_graph(2, name="adamw_step")
+    opt = AdamW(lr=1e-3, clip_norm=1.0)
+    step = opt.minimize(loss)
+    prog = NUMPY.compile(g, [loss, step.grad_norm, step.update])
+    state = {**model.init(0), **opt.init_state()}
+    rng = np.random.default_rng(0)
+    feeds = {"tokens": rng.integers(0, 11, (2, 8)), "targets": rng.integers(0, 11, (2, 8)), **opt.feeds(0)}
+    prog.run(feeds, state)
+    largest = max(p.nbytes for p in model.init(0).values())
+    allocated = _peak_allocation(lambda: prog.profile(feeds, state))
+    assert allocated < largest, (allocated, largest)
+
+
 def _peak_allocation(fn) -> int:
     """Peak bytes allocated (and traced) while fn runs."""
     tracemalloc.start()
