@@ -115,6 +115,7 @@ ROW_QUANTUM_CANDIDATES = (8, 16, 24, 32, 48, 64, 96)   # matmul row blocks: see 
 MIN_SPLIT_FLOPS = 1 << 23   # a matmul below this (~100 us on one core) is not split
 MIN_SPLIT_ROWS = 1 << 16    # elements: a row-wise kernel below this is not split
 MIN_SPLIT_COPY = 1 << 18    # elements: a copy below this is not split
+MIN_BLOCKS_PER_THREAD = 4   # a blocked kernel (or a dropout mask) with fewer blocks per thread is not split
 # (measured per kernel at batch 1 on 2 threads: attention's 6.3 MFLOP products and the
 # 74K-element QKV gradient assembly took longer split than whole)
 
@@ -341,14 +342,16 @@ def _size_groups(sizes, n: int) -> list[tuple[int, int]]:
 
 
 def _run_blocks(body, blocks, blocks_for=None):
-    """A closure running body over every block, the blocks split into contiguous runs per thread.
-    `blocks_for(n)`, when given, builds the blocks for n threads instead (an empty list: run
-    whole)."""
+    """A closure running body over every block, the blocks split into contiguous runs per thread
+    (when each thread gets at least MIN_BLOCKS_PER_THREAD of them). `blocks_for(n)`, when given,
+    builds the blocks for n threads instead (an empty list: run whole)."""
     def run_all(part):
         for block in part:
             body(*block)
 
     def split(n):
+        if blocks_for is None and len(blocks) < MIN_BLOCKS_PER_THREAD * n:
+            return []
         bl = blocks if blocks_for is None else blocks_for(n)
         return [functools.partial(run_all, bl[a:b]) for a, b in _cuts(len(bl), n)]
     return _threaded(functools.partial(run_all, blocks), split)
@@ -1760,7 +1763,9 @@ def keep_mask_drawer(shape, stream: int, p: float):
 
     def draw(key: int, mask: np.ndarray) -> None:
         flat, base = mask.reshape(-1), stream_base(key, stream)
-        threads = _workers["threads"] if n >= 2 * c else 1   # (one chunk: not split)
+        threads = _workers["threads"]
+        if n < MIN_BLOCKS_PER_THREAD * threads * c:
+            threads = 1
         if threads not in ranges:
             ranges[threads] = [(lo, hi, np.empty(c, np.uint64), np.empty(c, np.uint64))
                                for lo, hi in _cuts(n, threads, c)]
