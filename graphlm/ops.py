@@ -721,7 +721,8 @@ def _matmul_vjp(y, g):
 
 
 register("matmul", _infer_matmul, vjp=_matmul_vjp, doc="batched matrix product (np.matmul)",
-         vjp_doc="g @ b^T, a^T @ g (summed over broadcast batch axes)")
+         vjp_doc="g @ b^T, a^T @ g (summed over broadcast batch axes; "
+                 "for a 2-D b = W^T, (g^T @ a)^T)")
 
 
 def matmul(a, b) -> Tensor:
