@@ -540,7 +540,7 @@ def transpose(x, axes=None) -> Tensor:
     axes = tuple(int(a) % x.ndim if x.ndim else int(a) for a in axes)
     if axes == tuple(range(x.ndim)):
         return x
-    if x.op == "transpose" and len(axes) == x.ndim:   # two permutations are one (or none)
+    if x.op == "transpose" and sorted(axes) == list(range(x.ndim)):   # two permutations are one
         inner = x.attrs["axes"]
         return transpose(x.inputs[0], tuple(inner[a] for a in axes))
     return apply("transpose", (x,), axes=axes)

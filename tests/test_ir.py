@@ -85,6 +85,8 @@ def test_a_transpose_of_a_transpose_is_one_permutation_or_none():
     a = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
     (out,) = executors.compile(g, [w]).run({"x": a}, {})
     np.testing.assert_array_equal(out, a.transpose(1, 2, 0).transpose(0, 2, 1))
+    with pytest.raises(ShapeError, match=re.escape("axes [0, 0, 1] are not a permutation of 3 axes of [3,4,2]")):
+        gl.transpose(y, (0, 0, 1))   # the error names the caller's axes, not a composed permutation
 
 
 def test_python_scalars_become_consts_of_the_other_operands_dtype():
