@@ -27,8 +27,9 @@ the reference bit for bit except where noted (`ROUNDS_OWN_WAY`: causal attention
 see its section; `NumpyProgram.rounds_like_reference` says whether a program is exact).
 
 Compile-time passes (before planning; each replaces graph nodes by `FusedNode`s that name
-executor-private kernels, and none changes a result bit): `fuse_matmul_sums` (weight
-gradients: the summed batch folded into one matmul; this one does round differently),
+executor-private kernels, and none changes a result bit): `fuse_matmul_sums` (the
+weight gradient of a batched ``x @ w``: the summed batch folded into one matmul; this one does
+round differently),
 `assemble_slice_gradients` (the QKV gradient in one node), `fuse_attention_softmax` (scale and
 causal mask folded into softmax and its backward), `share_dropout_masks` (one mask per
 forward/backward pair, drawn once per run), `pair_gelu_backward`, `pair_layer_norm_backward`
@@ -722,8 +723,8 @@ def _matmul_closure(a, b, out):
 
 @kernel("matmul")
 def _matmul(node, out, ins, scratch):
-    # (folding the batch into the rows of one product: 1-3 % faster matmuls in the batch-8 step,
-    # where isolated and cache-hot it is 20-37 %; not done, it changes float32 rounding)
+    # (not folded here: OpenBLAS rounds a folded float32 product differently from the batched
+    # one the reference computes; graphlm.nn.Linear folds its rows in the graph instead)
     return _matmul_closure(ins[0], ins[1], out)
 
 
@@ -763,8 +764,9 @@ def _matmul_sum_operands(a, b, axes):
 
 
 def fuse_matmul_sums(nodes, outputs, protos):
-    """Replace ``sum(matmul(a, b), batch axes)`` (weight gradients) by one matmul over the folded
-    axes when the matmul has no other use. Returns (new node list, {matmul node: fused node})."""
+    """Replace ``sum(matmul(a, b), batch axes)`` (a batched product's weight gradient) by one
+    matmul over the folded axes when the matmul has no other use. Returns (new node list,
+    {matmul node: fused node})."""
     consumers: dict[int, list] = {}
     for n in nodes:
         for i in n.inputs:

@@ -303,7 +303,7 @@ class Linear(Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """Leading axes are folded into the rows of one 2-D product (as torch's F.linear does):
-        one large GEMM instead of a batch of small ones, ~2.5 % of a TinyLM batch-8 step."""
+        one large GEMM instead of a batch of small ones (docs/performance.md)."""
         _check_last_dim(self, x, self.in_features)
         rows = ops.reshape(x, (-1, self.in_features)) if x.ndim > 2 else x
         y = rows @ ops.transpose(self.bind(x.graph, "weight"))
