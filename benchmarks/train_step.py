@@ -8,7 +8,9 @@ softmax, matmul), and "torch_sdpa" uses its fused ``F.scaled_dot_product_attenti
 size: after warm-up, the three step functions are timed in turns (so load from other processes
 hits all alike); the median ms/step, tokens/s, the ratios graphlm / PyTorch and the MFU
 (analytic matmul FLOPs of tools.params.flops_per_token over the measured ``np.matmul`` 2048^3
-rate of the same run) are reported.
+rate of the same run) are reported. The ratios come twice: of the medians over all timed steps,
+and "per turn" (the median over rotations of each rotation's graphlm turn over the other's, turns
+a few seconds apart), which a slow spell of a shared machine lasting a few turns moves less.
 
 Honesty check: before timing, both run two steps from the same weights with the *same* dropout
 masks (graphlm's counter-based masks, multiplied in by the PyTorch models) and must agree on both
@@ -221,13 +223,15 @@ def time_batch(config, batch, steps, warmup, torch, peak_gflops, gap: float, blo
     run = {"graphlm": lambda: gs.step(x, y, next(keys)), "torch": lambda: ts.step(xt, yt),
            "torch_sdpa": lambda: tf.step(xt, yt)}
     order = list(run)
+    turns = {who: [] for who in order}   # the median of each turn: one per rotation
     for r in range(-(-steps // block)):
         for who in order[r % 3:] + order[:r % 3]:
             time.sleep(gap)
             if block > 1:
                 run[who]()
-            for _ in range(min(block, steps - r * block)):
-                times[who].append(_timed(run[who]))
+            turn = [_timed(run[who]) for _ in range(min(block, steps - r * block))]
+            times[who] += turn
+            turns[who].append(statistics.median(turn))
     tokens = batch * config.context_length
     flops = flops_per_token(config)["train_step"] * tokens
     ms = {who: statistics.median(t) * 1e3 for who, t in times.items()}
@@ -240,6 +244,10 @@ def time_batch(config, batch, steps, warmup, torch, peak_gflops, gap: float, blo
         **row,
         "ratio_graphlm_over_torch": round(ms["graphlm"] / ms["torch"], 3),
         "ratio_graphlm_over_torch_sdpa": round(ms["graphlm"] / ms["torch_sdpa"], 3),
+        # the same ratios from each rotation's adjacent turns (a few seconds apart), median over
+        # rotations: a slow spell of the machine (see docs/performance.md) then slows both sides
+        **{f"turn_ratio_graphlm_over_{other}": round(statistics.median(
+            g / o for g, o in zip(turns["graphlm"], turns[other])), 3) for other in ("torch", "torch_sdpa")},
         "matmul_gflop_per_step": round(flops / 1e9, 3),
         "matmul_lower_bound_ms": round(flops / peak_gflops / 1e6, 2),
         **{f"{who}_mfu": round(flops / (ms[who] / 1e3) / (peak_gflops * 1e9), 4) for who in order},
@@ -339,14 +347,16 @@ def markdown(result: dict) -> str:
              "torch: attention spelled out; torch_sdpa: F.scaled_dot_product_attention",
              "",
              "| batch | graphlm ms | torch ms | torch_sdpa ms | graphlm / torch | graphlm / torch_sdpa "
+             "| per turn: / torch, / torch_sdpa "
              "| graphlm tok/s | graphlm MFU | torch MFU | torch_sdpa MFU | matmul bound ms "
              "| peak MiB graphlm / torch / torch_sdpa |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         mem = result.get("memory", {}).get(str(r["batch"]), {})
         peaks = " / ".join(str(mem.get(fw, {}).get("peak_rss_mib", "-")) for fw in ("graphlm", "torch", "torch_sdpa"))
         lines.append(f"| {r['batch']} | {r['graphlm_ms']} | {r['torch_ms']} | {r.get('torch_sdpa_ms', '-')} "
                      f"| {r['ratio_graphlm_over_torch']} | {r.get('ratio_graphlm_over_torch_sdpa', '-')} "
+                     f"| {r.get('turn_ratio_graphlm_over_torch', '-')}, {r.get('turn_ratio_graphlm_over_torch_sdpa', '-')} "
                      f"| {r['graphlm_tokens_per_s']} | {100 * r['graphlm_mfu']:.1f}% | {100 * r['torch_mfu']:.1f}% "
                      f"| {100 * r.get('torch_sdpa_mfu', float('nan')):.1f}% | {r['matmul_lower_bound_ms']} | {peaks} |")
     chk = result["loss_check"]
