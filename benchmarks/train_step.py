@@ -242,12 +242,12 @@ def time_batch(config, batch, steps, warmup, torch, peak_gflops, gap: float, blo
         row[f"{who}_tokens_per_s"] = round(tokens / ms[who] * 1e3, 1)
     return {
         **row,
-        "ratio_graphlm_over_torch": round(ms["graphlm"] / ms["torch"], 3),
-        "ratio_graphlm_over_torch_sdpa": round(ms["graphlm"] / ms["torch_sdpa"], 3),
+        **{f"ratio_graphlm_over_{other}": round(ms["graphlm"] / ms[other], 3) for other in order[1:]},
         # the same ratios from each rotation's adjacent turns (a few seconds apart), median over
-        # rotations: a slow spell of the machine (see docs/performance.md) then slows both sides
+        # the rotations: a slow spell of the machine (docs/performance.md) covering a turn mostly
+        # covers its neighbours too
         **{f"turn_ratio_graphlm_over_{other}": round(statistics.median(
-            g / o for g, o in zip(turns["graphlm"], turns[other])), 3) for other in ("torch", "torch_sdpa")},
+            g / o for g, o in zip(turns["graphlm"], turns[other])), 3) for other in order[1:]},
         "matmul_gflop_per_step": round(flops / 1e9, 3),
         "matmul_lower_bound_ms": round(flops / peak_gflops / 1e6, 2),
         **{f"{who}_mfu": round(flops / (ms[who] / 1e3) / (peak_gflops * 1e9), 4) for who in order},
