@@ -1201,32 +1201,49 @@ def _attention_flops(shape) -> int:
     return 4 * int(np.prod(shape[:-2], dtype=np.int64)) * t * t * d * 3 // 4
 
 
-def _attention_scores(q, k, v, o, l, qs, e, scale, blocks, above):
+def softmax_block(x, lb, r0, up):
+    """One query block's scores x ``[m, r1 - r0, r1]`` (query rows from r0) to E = exp(x - rowmax)
+    in place, the diagonal block's upper triangle `up` masked to 0; lb ``[m, r1 - r0, 1]`` gets
+    rowsum(E)."""
+    np.copyto(x[..., r0:], -np.inf, where=up)
+    np.maximum.reduce(x, axis=-1, keepdims=True, out=lb)
+    np.subtract(x, lb, x)
+    np.exp(x, x)
+    np.add.reduce(x, axis=-1, keepdims=True, out=lb)
+
+
+def softmax_ds_block(s, x, ddb):
+    """One query block of the softmax gradient, in place: s = (s - ddb) * E (E in x)."""
+    np.subtract(s, ddb, s)
+    np.multiply(s, x, s)   # E is 0 above the diagonal
+
+
+# the attention kernels' two block steps; an executor deriving from this one may pass its own
+ATTENTION_BLOCK_STEPS = (softmax_block, softmax_ds_block)
+
+
+def _attention_scores(q, k, v, o, l, qs, e, scale, blocks, above, steps=ATTENTION_BLOCK_STEPS):
     """E (blocks `e`) and l of one run of matrices; and, when `o` is given, o = (E @ v) / l."""
     np.multiply(q, scale, qs)
     for (r0, r1), up, x in zip(blocks, above, e):
         lb = l[..., r0:r1, :]
         np.matmul(qs[..., r0:r1, :], np.swapaxes(k[..., :r1, :], -1, -2), x)
-        np.copyto(x[..., r0:], -np.inf, where=up)   # the diagonal block's upper triangle
-        np.maximum.reduce(x, axis=-1, keepdims=True, out=lb)
-        np.subtract(x, lb, x)
-        np.exp(x, x)
-        np.add.reduce(x, axis=-1, keepdims=True, out=lb)
+        steps[0](x, lb, r0, up)
         if o is not None:
             np.matmul(x, v[..., :r1, :], o[..., r0:r1, :])
     if o is not None:
         np.divide(o, l, o)
 
 
-def _attention_gradients(q, k, v, o, g, l, dq, dk, dv, gs, dd, tmp, e, ds, scale, blocks):
+def _attention_gradients(q, k, v, o, g, l, dq, dk, dv, gs, dd, tmp, e, ds, scale, blocks,
+                         steps=ATTENTION_BLOCK_STEPS):
     np.multiply(g, o, gs)
     np.add.reduce(gs, axis=-1, keepdims=True, out=dd)   # rowsum(g*o) = rowsum(P*dP)
     np.divide(dd, l, dd)
     np.divide(g, l, gs)
     for (r0, r1), x, s in zip(blocks, e, ds):
         np.matmul(gs[..., r0:r1, :], np.swapaxes(v[..., :r1, :], -1, -2), s)
-        np.subtract(s, dd[..., r0:r1, :], s)
-        np.multiply(s, x, s)   # E is 0 above the diagonal
+        steps[1](s, x, dd[..., r0:r1, :])
         np.matmul(s, k[..., :r1, :], dq[..., r0:r1, :])
     # dk, dv: sums over the query blocks of ds_b^T @ q_b and E_b^T @ (g/l)_b, which reach keys
     # [0, r1): the last block (all keys) writes, the others add
@@ -1285,14 +1302,14 @@ def _attention_scratch(node, pos):
 
 
 @kernel("causal_attention", "causal_attention_keep", scratch=_attention_scratch)
-def _causal_attention(node, out, ins, scratch):
+def _causal_attention(node, out, ins, scratch, steps=ATTENTION_BLOCK_STEPS):
     q, k, v = ins
     qs, e, l = scratch
     if "slot" in node.attrs:   # planned in the arena, live until the backward reads them
         node.attrs["slot"].e, node.attrs["slot"].l = e, l
     blocks, above, scale = _attention_plan(node)
     lead, t = node.shape[:-2], node.shape[-2]
-    body = lambda q, k, v, o, l, qs, *e: _attention_scores(q, k, v, o, l, qs, e, scale, blocks, above)
+    body = lambda q, k, v, o, l, qs, *e: _attention_scores(q, k, v, o, l, qs, e, scale, blocks, above, steps)
     return _attention_closure(body, [q, k, v, out, l, qs, *_score_blocks(e, lead, t)], lead, t,
                               _attention_flops(node.shape))
 
@@ -1306,7 +1323,7 @@ def _attention_backward_scratch(node, pos):
 
 
 @kernel("causal_attention_backward", "causal_attention_backward_kept", scratch=_attention_backward_scratch)
-def _causal_attention_backward(node, out, ins, scratch):
+def _causal_attention_backward(node, out, ins, scratch, steps=ATTENTION_BLOCK_STEPS):
     q, k, v, o, g = ins
     ds, gs, dd, tmp, *own = scratch
     slot = node.attrs.get("slot")
@@ -1318,8 +1335,8 @@ def _causal_attention_backward(node, out, ins, scratch):
     def body(q, k, v, o, g, l, dq, dk, dv, gs, dd, tmp, *blocks_e_ds):
         e, ds = blocks_e_ds[:nb], blocks_e_ds[nb:]
         if slot is None:   # unpaired: the forward's E and l first (gs holds q * scale meanwhile)
-            _attention_scores(q, k, None, None, l, gs, e, scale, blocks, above)
-        _attention_gradients(q, k, v, o, g, l, dq, dk, dv, gs, dd, tmp, e, ds, scale, blocks)
+            _attention_scores(q, k, None, None, l, gs, e, scale, blocks, above, steps)
+        _attention_gradients(q, k, v, o, g, l, dq, dk, dv, gs, dd, tmp, e, ds, scale, blocks, steps)
     arrays = [q, k, v, o, g, l, out[0], out[1], out[2], gs, dd, tmp,
               *_score_blocks(e, lead, t), *_score_blocks(ds, lead, t)]
     return _attention_closure(body, arrays, lead, t, 2 * _attention_flops(node.shape[1:]))
@@ -1837,23 +1854,23 @@ def _reference_fallback(node, out, ins, scratch):
 _FALLBACK = Kernel(_reference_fallback)
 
 
-def kernel_for(op: str) -> Kernel | None:
-    k = KERNELS.get(op)
+def kernel_for(op: str, table: dict[str, Kernel] = KERNELS) -> Kernel | None:
+    k = table.get(op)
     if k is None and op in reference.KERNELS:
         return _FALLBACK
     return k
 
 
-def _inplace_positions(node) -> Sequence[int]:
+def _inplace_positions(node, table=KERNELS) -> Sequence[int]:
     """Input positions the node's kernel can overwrite (the kernel knows; the fallback none)."""
-    k = kernel_for(node.op)
+    k = kernel_for(node.op, table)
     if k is None:
         return ()
     return tuple(k.inplace(node) if callable(k.inplace) else k.inplace)
 
 
-def _scratch(node, pos):
-    k = kernel_for(node.op)
+def _scratch(node, pos, table=KERNELS):
+    k = kernel_for(node.op, table)
     return list(k.scratch(node, pos)) if k is not None and k.scratch else []
 
 
@@ -1863,19 +1880,23 @@ class NumpyProgram(Program):
     """A graph compiled onto one planned arena; see the module docstring."""
 
     executor_name = "numpy"
+    kernels: dict[str, Kernel] = KERNELS   # op -> kernel (a derived executor swaps in its own table)
 
     def __init__(self, graph, outputs, poison: bool = False):
-        super().__init__(graph, outputs, set(KERNELS) | set(reference.KERNELS))
+        super().__init__(graph, outputs, set(self.kernels) | set(reference.KERNELS))
         protos = layouts(self.nodes)[0]
         self.run_nodes, fused = fuse_matmul_sums(self.nodes, self.outputs, protos)
         self.run_nodes = assemble_slice_gradients(self.run_nodes, self.outputs)
         self.run_nodes = fuse_attention_softmax(self.run_nodes, self.outputs)
         self.run_nodes = pair_layer_norm_backward(pair_gelu_backward(share_dropout_masks(self.run_nodes)))
         self.run_nodes = pair_attention_backward(self.run_nodes)
-        self.plan: Plan = make_plan(self.run_nodes, self.outputs, _inplace_positions, _scratch, fused)
+        table = self.kernels
+        self.plan: Plan = make_plan(self.run_nodes, self.outputs,
+                                    functools.partial(_inplace_positions, table=table),
+                                    functools.partial(_scratch, table=table), fused)
         # False where a kernel rounds differently from the reference (tests then compare within
         # a tolerance instead of bit for bit): a folded matmul sum, the blocked causal attention
-        self.rounds_like_reference = not fused and not any(n.op in ROUNDS_OWN_WAY for n in self.run_nodes)
+        self.rounds_like_reference = not fused and not any(self.rounds_own_way(n) for n in self.run_nodes)
         raw = np.empty(self.plan.arena_bytes + ALIGN, dtype=np.uint8)
         start = (-raw.__array_interface__["data"][0]) % ALIGN
         self._arena = raw[start:start + self.plan.arena_bytes]
@@ -1891,6 +1912,10 @@ class NumpyProgram(Program):
         self._results: list[np.ndarray] = []
         if poison:
             self.poison_arena()
+
+    def rounds_own_way(self, node) -> bool:
+        """Whether this program's kernel for `node` rounds differently from the reference's."""
+        return node.op in ROUNDS_OWN_WAY
 
     def kept_bytes(self) -> int:
         """Bytes fused kernels keep from forward to backward (dropout masks, GELU tanh, layer-norm
@@ -1943,7 +1968,7 @@ class NumpyProgram(Program):
             if e.kind in ("leaf", "const", "view"):
                 continue
             scratch = [self._arena_array(s.offset, s.shape, s.dtype) for s in plan.scratch.get(nid, ())]
-            k = kernel_for(n.op)
+            k = kernel_for(n.op, self.kernels)
             steps.append(k.build(n, arrays[nid], [arrays[i.id] for i in n.inputs], scratch))
             step_nodes.append(n)
         self._steps = steps
