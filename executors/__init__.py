@@ -13,7 +13,8 @@ from .base import Program
 
 
 def get(name: str):
-    """The executor called `name`: "reference" (the oracle) or "numpy" (planned memory)."""
+    """The executor called `name`: "reference" (the oracle), "numpy" (planned memory) or "native"
+    (the numpy executor with its hot float32 kernels in C, compiled on first use)."""
     return get_executor(name)
 
 
@@ -32,7 +33,13 @@ def _numpy():
     return NumpyExecutor()
 
 
+def _native():
+    from .native import NativeExecutor
+    return NativeExecutor()
+
+
 register_executor("reference", _reference)
 register_executor("numpy", _numpy)
+register_executor("native", _native)
 
 __all__ = ["get", "compile", "Program", "available_executors", "register_executor"]

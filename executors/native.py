@@ -1,0 +1,486 @@
+"""The native executor: the numpy executor with its hot float32 kernels in C.
+
+``executors.get("native")`` plans memory, fuses and threads exactly as the numpy executor does
+(it is a `NumpyProgram` with another kernel table): the same arena, the same schedule, NumPy and
+BLAS for the matmuls. What changes is the kernels below, each one fused pass in C over the planned
+float32 arrays instead of several NumPy passes (executors/native_kernels.c):
+
+    exp, tanh GELU and its backward          (a vectorised float32 exp, within 2 ulp)
+    layer norm and its backward              (one pass per row; row sums in 16 partial sums)
+    causal attention's softmax and gradient  (the matmuls stay BLAS; the blocks' softmax in C)
+    dropout                                  (the mask drawn and applied in one pass)
+    AdamW                                    (one pass per parameter)
+
+A kernel whose arrays are not float32 and C-contiguous runs the numpy executor's kernel (they
+ask for the same scratch, so either fits the plan).
+
+Rounding. Dropout, AdamW and the attention gradient's ds step compute exactly what the numpy
+executor computes (same operations in the same order, compiled with -ffp-contract=off); tests
+check them bit for bit. exp, GELU, layer norm and the attention softmax round their own way
+(another exp, sums in another order): `NativeProgram.rounds_like_reference` is then False and
+tests compare them with the reference within float32 tolerances.
+
+Building. The C file is compiled on first use (as tinygrad's CLANG back end does) with ``$CC``
+(default ``cc``) and ``-O3 -march=native``, into ``$GRAPHLM_CACHE_DIR`` (default
+``~/.cache/graphlm``), named by a hash of the source, flags, compiler and CPU; later processes
+load the cached library. Without a working compiler, compiling a program raises
+`NativeUnavailable` saying what failed; the numpy executor needs none.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import math
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from graphlm.ops import GELU_A, GELU_B, GELU_DA, GELU_DB, norm_parts
+from graphlm.random import stream_base
+
+from . import numpy_executor as npx
+from .base import ExecutionError, node_where
+from .numpy_executor import FusedNode, Kernel, NumpyProgram, _cuts, _MaskSlot, _parallel, _threaded, _workers
+
+SOURCE = Path(__file__).with_name("native_kernels.c")
+FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-std=c11",
+         "-fPIC", "-shared")
+HOST_FLAGS = ("-march=native",)   # dropped when the compiler does not take it
+
+MIN_SPLIT = 1 << 16   # elements: a native kernel below this runs on one thread
+
+
+class NativeUnavailable(RuntimeError):
+    """The native kernels could not be built or loaded (no C compiler, or it failed)."""
+
+
+# == building and loading the library ==================================================================
+
+_P, _I, _U64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64, ctypes.c_float, ctypes.c_int
+SIGNATURES = {   # C function -> argument types (every function returns void)
+    "gl_exp": (_P, _P, _I),
+    "gl_gelu_tanh": (_P, _P, _P, _I, _F, _F),
+    "gl_gelu_tanh_backward": (_P, _P, _P, _P, _I, _F, _F, _F, _F),
+    "gl_layer_norm": (_P, _P, _P, _P, _P, _P, _P, _I, _I, _F),
+    "gl_layer_norm_backward": (_P, _P, _P, _P, _P, _I, _I, _F),
+    "gl_causal_softmax_block": (_P, _P, _I, _I, _I, _I, _I),
+    "gl_softmax_ds_block": (_P, _P, _P, _I, _I, _I, _I),
+    "gl_dropout_draw": (_P, _P, _P, _I, _I, _U64, _U64, _F),
+    "gl_dropout_apply": (_P, _P, _P, _I, _F),
+    "gl_adamw": (_P, _P, _P, _P, _I, _F, _INT, _F, _F, _F, _F, _F, _F, _F, _F),
+}
+
+_library: dict[str, object] = {}
+_library_lock = threading.Lock()
+
+
+def cache_dir() -> Path:
+    """Where compiled libraries are kept: $GRAPHLM_CACHE_DIR, else $XDG_CACHE_HOME/graphlm, else
+    ~/.cache/graphlm."""
+    if os.environ.get("GRAPHLM_CACHE_DIR"):
+        return Path(os.environ["GRAPHLM_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "graphlm"
+
+
+def _cpu_signature() -> str:
+    """The CPU's feature flags (what -march=native compiles for), or the machine name."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.machine() + platform.processor()
+
+
+def _run_compiler(cmd: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+def _compile(cc: str, target: Path) -> None:
+    """Compile SOURCE into `target` (written whole or not at all)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        tried = []
+        for extra in (HOST_FLAGS, ()):
+            cmd = [cc, *FLAGS, *extra, str(SOURCE), "-o", tmp, "-lm"]
+            done = _run_compiler(cmd)
+            if done.returncode == 0:
+                os.replace(tmp, target)
+                return
+            tried.append(f"$ {' '.join(cmd)}\n{done.stderr.strip()[-2000:]}")
+        raise NativeUnavailable("the native executor could not compile its kernels "
+                                f"({SOURCE.name}):\n" + "\n".join(tried))
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def library():
+    """The loaded kernel library (compiled on first use, then cached on disk and here)."""
+    if "lib" in _library:
+        return _library["lib"]
+    with _library_lock:
+        if "lib" in _library:
+            return _library["lib"]
+        cc = os.environ.get("CC") or "cc"
+        if shutil.which(cc) is None:
+            raise NativeUnavailable(f"the native executor needs a C compiler: '{cc}' was not found "
+                                    "(install gcc or clang, or set CC to one; the numpy executor "
+                                    "needs none)")
+        try:
+            version = _run_compiler([cc, "--version"]).stdout
+        except (OSError, subprocess.SubprocessError) as e:
+            raise NativeUnavailable(f"the native executor could not run the C compiler '{cc}': {e}") from None
+        key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS + HOST_FLAGS), cc, version,
+                                        _cpu_signature()]).encode()).hexdigest()[:20]
+        target = cache_dir() / f"native-{key}.so"
+        if not target.exists():
+            try:
+                _compile(cc, target)
+            except OSError as e:   # an unwritable cache: build into a private temporary folder
+                target = Path(tempfile.mkdtemp(prefix="graphlm-native-")) / target.name
+                _compile(cc, target)
+        try:
+            lib = ctypes.CDLL(str(target))
+        except OSError as e:
+            raise NativeUnavailable(f"the native executor could not load {target}: {e} "
+                                    "(delete it to rebuild)") from None
+        for name, argtypes in SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, None
+        _library["lib"] = lib
+        return lib
+
+
+def available() -> bool:
+    """Whether the native kernels can be built and loaded on this machine."""
+    try:
+        library()
+        return True
+    except NativeUnavailable:
+        return False
+
+
+# == helpers ==============================================================================================
+
+def _ptr(a) -> int | None:
+    return None if a is None else a.__array_interface__["data"][0]
+
+
+def _native(*arrays) -> bool:
+    """Whether the native kernels take these arrays (float32 or uint8 masks, C-contiguous)."""
+    return all(a is None or (a.dtype in (np.float32, np.bool_) and a.flags.c_contiguous) for a in arrays)
+
+
+def _split_calls(call, units: int, unit_size: int, arrays):
+    """A closure running ``call(0, units)``, or on n threads ``call(lo, hi)`` over n contiguous
+    ranges of units (each `unit_size` elements; split only above MIN_SPLIT elements per thread).
+    `arrays` are held so their memory outlives the raw pointers inside the calls."""
+    whole = call(0, units)
+
+    def split(n):
+        if units * unit_size < MIN_SPLIT * n:
+            return []
+        return [call(lo, hi) for lo, hi in _cuts(units, n, max(1, 64 // max(1, unit_size)))]
+    run = _threaded(whole, split)
+    run.arrays = arrays
+    return run
+
+
+def _at(a, per: int, lo: int) -> int | None:
+    """The address of element ``lo * per`` of `a` (None stays NULL; per 0: a broadcast array)."""
+    return None if a is None else _ptr(a) + lo * per * a.itemsize
+
+
+KERNELS: dict[str, Kernel] = dict(npx.KERNELS)
+NUMPY_KERNELS = npx.KERNELS
+
+
+def native_kernel(*names):
+    """Register `build` as the native kernel of each op in `names`: the numpy kernel's inplace
+    and scratch rules, and its build wherever `build` returns None (arrays it does not take)."""
+    def deco(build):
+        for name in names:
+            base = NUMPY_KERNELS[name]
+
+            def build_or_numpy(node, out, ins, scratch, build=build, base=base):
+                run = build(node, out, ins, scratch)
+                return run if run is not None else base.build(node, out, ins, scratch)
+            KERNELS[name] = Kernel(build_or_numpy, base.inplace, base.scratch)
+        return build
+    return deco
+
+
+# == elementwise =========================================================================================
+
+@native_kernel("exp")
+def _exp(node, out, ins, scratch):
+    (x,) = ins
+    if node.dtype != np.float32 or x.shape != out.shape or not _native(x, out):
+        return None
+    fn = library().gl_exp
+    return _split_calls(lambda lo, hi: functools.partial(fn, _at(x, 1, lo), _at(out, 1, lo), hi - lo),
+                        out.size, 1, (x, out))
+
+
+def _gelu_closure(node, x, out, keep):
+    fn = library().gl_gelu_tanh
+    return _split_calls(lambda lo, hi: functools.partial(fn, _at(x, 1, lo), _at(out, 1, lo), _at(keep, 1, lo),
+                                                         hi - lo, GELU_A, GELU_B), out.size, 1, (x, out, keep))
+
+
+@native_kernel("gelu")
+def _gelu(node, out, ins, scratch):
+    (x,) = ins
+    if node.attrs["approximate"] != "tanh" or node.dtype != np.float32 or not _native(x, out):
+        return None
+    return _gelu_closure(node, x, out, None)
+
+
+@native_kernel("gelu_keep_sigmoid")
+def _gelu_keep_sigmoid(node, out, ins, scratch):
+    (x,) = ins
+    (s,) = scratch
+    if not _native(x, out, s):
+        return None
+    node.attrs["slot"].s = s
+    return _gelu_closure(node, x, out, s)
+
+
+def _gelu_backward_closure(x, g, s, out):
+    fn = library().gl_gelu_tanh_backward
+    return _split_calls(lambda lo, hi: functools.partial(
+        fn, _at(x, 1, lo), _at(g, 1, lo), _at(s, 1, lo), _at(out, 1, lo), hi - lo,
+        GELU_A, GELU_B, GELU_DA, GELU_DB), out.size, 1, (x, g, s, out))
+
+
+@native_kernel("gelu_backward")
+def _gelu_backward(node, out, ins, scratch):
+    x, g = ins
+    if node.attrs["approximate"] != "tanh" or node.dtype != np.float32 or not _native(x, g, out):
+        return None
+    return _gelu_backward_closure(x, g, None, out)
+
+
+@native_kernel("gelu_backward_sigmoid")
+def _gelu_backward_sigmoid(node, out, ins, scratch):
+    x, g = ins
+    s = node.attrs["slot"].s
+    if not _native(x, g, s, out):
+        return None
+    return _gelu_backward_closure(x, g, s, out)
+
+
+# == layer norm ===========================================================================================
+
+def _norm_ok(node, x, w, b, *arrays) -> bool:
+    cols = node.shape[-1]
+    return (node.dtype == np.float32 and x.shape == node.shape
+            and all(p is None or p.shape == (cols,) for p in (w, b)) and _native(x, w, b, *arrays))
+
+
+def _layer_norm_closure(node, x, w, b, out, xc, sv, xhat):
+    fn, cols = library().gl_layer_norm, node.shape[-1]
+    eps = float(np.float32(node.attrs["eps"]))
+    return _split_calls(lambda lo, hi: functools.partial(
+        fn, _at(x, cols, lo), _ptr(w), _ptr(b), _at(out, cols, lo), _at(xc, cols, lo), _at(sv, 1, lo),
+        _at(xhat, cols, lo), hi - lo, cols, eps), node.size // cols, cols, (x, w, b, out, xc, sv, xhat))
+
+
+@native_kernel("layer_norm")
+def _layer_norm(node, out, ins, scratch):
+    x, w, b, _ = norm_parts(ins, node.attrs)
+    if not _norm_ok(node, x, w, b, out):
+        return None
+    return _layer_norm_closure(node, x, w, b, out, None, None, None)
+
+
+@native_kernel("layer_norm_keep")
+def _layer_norm_keep(node, out, ins, scratch):
+    x, w, b, _ = norm_parts(ins, node.attrs)
+    sq, m, *kept = scratch
+    if not _norm_ok(node, x, w, b, out, *kept):
+        return None
+    slot = node.attrs["slot"]
+    slot.xc, slot.sv = kept[0], kept[1]
+    slot.xhat = kept[2] if node.attrs["keep_xhat"] else None
+    return _layer_norm_closure(node, x, w, b, out, slot.xc, slot.sv, slot.xhat)
+
+
+def _layer_norm_backward_closure(node, xc, sv, g, w, out):
+    fn, cols = library().gl_layer_norm_backward, node.shape[-1]
+    eps = float(np.float32(node.attrs["eps"]))
+    return _split_calls(lambda lo, hi: functools.partial(
+        fn, _at(xc, cols, lo), _at(sv, 1, lo), _at(g, cols, lo), _ptr(w), _at(out, cols, lo),
+        hi - lo, cols, eps), node.size // cols, cols, (xc, sv, g, w, out))
+
+
+@native_kernel("layer_norm_backward_kept")
+def _layer_norm_backward_kept(node, out, ins, scratch):
+    w, g = (ins[0] if node.attrs.get("has_weight") else None), ins[-1]
+    slot = node.attrs["slot"]
+    if not _norm_ok(node, g, w, None, out, slot.xc, slot.sv):
+        return None
+    return _layer_norm_backward_closure(node, slot.xc, slot.sv, g, w, out)
+
+
+@native_kernel("layer_norm_backward")
+def _layer_norm_backward(node, out, ins, scratch):
+    x, w, _, (g,) = norm_parts(ins, node.attrs)
+    if not _norm_ok(node, x, w, None, g, out) or g.shape != node.shape:
+        return None
+    return _layer_norm_backward_closure(node, x, None, g, w, out)
+
+
+# == causal attention: the numpy kernels with their two block steps in C ====================================
+
+def _softmax_block(x, lb, r0, up):
+    if not (x.flags.c_contiguous and x.ndim == 3 and lb.ndim == 3):
+        return npx.softmax_block(x, lb, r0, up)
+    m, rows, cols = x.shape
+    library().gl_causal_softmax_block(_ptr(x), _ptr(lb), m, rows, cols, r0, lb.strides[0] // lb.itemsize)
+
+
+def _ds_block(s, x, ddb):
+    if not (s.flags.c_contiguous and x.flags.c_contiguous and s.ndim == 3 and ddb.ndim == 3):
+        return npx.softmax_ds_block(s, x, ddb)
+    m, rows, cols = s.shape
+    library().gl_softmax_ds_block(_ptr(s), _ptr(x), _ptr(ddb), m, rows, cols, ddb.strides[0] // ddb.itemsize)
+
+
+ATTENTION_BLOCK_STEPS = (_softmax_block, _ds_block)
+
+
+@native_kernel("causal_attention", "causal_attention_keep")
+def _causal_attention(node, out, ins, scratch):
+    if node.dtype != np.float32:
+        return None
+    library()
+    return npx._causal_attention(node, out, ins, scratch, steps=ATTENTION_BLOCK_STEPS)
+
+
+@native_kernel("causal_attention_backward", "causal_attention_backward_kept")
+def _causal_attention_backward(node, out, ins, scratch):
+    if node.dtype != np.float32:
+        return None
+    library()
+    return npx._causal_attention_backward(node, out, ins, scratch, steps=ATTENTION_BLOCK_STEPS)
+
+
+# == dropout ================================================================================================
+
+@native_kernel("dropout_shared")
+def _dropout_shared(node, out, ins, scratch):
+    x, key = ins
+    a = node.attrs
+    slot = a["slot"]
+    if a["draw"]:
+        (slot.mask,) = scratch
+    mask = slot.mask
+    if node.dtype != np.float32 or x.shape != out.shape or not _native(x, out, mask):
+        return None
+    lib, scale = library(), float(np.float32(1.0 / (1.0 - a["p"])))
+    if not a["draw"]:
+        return _split_calls(lambda lo, hi: functools.partial(
+            lib.gl_dropout_apply, _at(x, 1, lo), _at(mask, 1, lo), _at(out, 1, lo), hi - lo, scale),
+            out.size, 1, (x, mask, out))
+    threshold = math.ceil(float(np.float32(a["p"])) * 2 ** 24) << 40   # see keep_mask_drawer
+    base = [0]   # this run's stream start, read by the pieces
+    pointers = (_ptr(mask), _ptr(x), _ptr(out))
+    draw = _split_calls(lambda lo, hi: lambda: lib.gl_dropout_draw(*pointers, lo, hi, base[0], threshold, scale),
+                        out.size, 1, (x, mask, out))
+
+    def run():
+        base[0] = stream_base(int(key), a["stream"])
+        draw()
+    return run
+
+
+@native_kernel("dropout")
+def _dropout(node, out, ins, scratch):
+    attrs = {**node.attrs, "slot": _MaskSlot(), "draw": True}
+    return _dropout_shared(FusedNode(node, "dropout_shared", node.inputs, attrs), out, ins, scratch)
+
+
+# == AdamW ===================================================================================================
+
+@native_kernel("adamw_update")
+def _adamw_update(node, out, ins, scratch):
+    lr_a, step_a, coef_a = ins[:3]
+    a = node.attrs
+    b1, b2, eps = a["beta1"], a["beta2"], a["eps"]
+    params = []   # (p, grad, m, v, wd) per parameter
+    for k, wd in enumerate(a["weight_decay"]):
+        p, grad, m, v = ins[3 + 4 * k: 7 + 4 * k]
+        if p.dtype != np.float32 or not _native(p, grad, m, v) or not (p.shape == grad.shape == m.shape == v.shape):
+            return None
+        params.append((p, grad, m, v, wd))
+    fn = library().gl_adamw
+    f32 = lambda x: float(np.float32(x))
+    consts = {}   # weight decay -> this run's float32 constants, read by the pieces
+
+    def update(part):
+        for p, grad, m, v, wd in part:
+            coef, decay, step_size, bc2 = consts[wd]
+            fn(_ptr(p), _ptr(grad), _ptr(m), _ptr(v), p.size, coef, 1 if wd else 0, decay,
+               f32(b1), f32(1.0 - b1), f32(b2), f32(1.0 - b2), bc2, f32(eps), step_size)
+
+    groups: dict[int, list] = {}
+
+    def run():
+        t = int(step_a)
+        if t < 1:
+            raise ExecutionError(f"{node_where(node)}: the step count must be >= 1, got {t}")
+        lr = float(lr_a)
+        for wd in set(a["weight_decay"]):   # the numpy kernel's float32 constants
+            consts[wd] = (f32(coef_a), f32(1.0 - lr * wd), f32(lr / (1.0 - b1 ** t)), f32(math.sqrt(1.0 - b2 ** t)))
+        n = _workers["threads"]
+        if n == 1 or len(params) < 2:
+            update(params)
+        else:
+            if n not in groups:
+                groups[n] = [params[lo:hi] for lo, hi in npx._size_groups([pc[0].size for pc in params], n)]
+            _parallel([functools.partial(update, part) for part in groups[n]])
+        out[...] = 0.0
+    return run
+
+
+# == the program and executor =================================================================================
+
+# float32 kernels that round their own way (another exp, row sums in another order)
+NATIVE_ROUNDING = {"exp", "gelu", "gelu_keep_sigmoid", "gelu_backward", "gelu_backward_sigmoid",
+                   "layer_norm", "layer_norm_keep", "layer_norm_backward", "layer_norm_backward_kept"}
+
+
+class NativeProgram(NumpyProgram):
+    """A `NumpyProgram` on the native kernel table."""
+
+    executor_name = "native"
+    kernels = KERNELS
+
+    def rounds_own_way(self, node) -> bool:
+        return super().rounds_own_way(node) or (node.op in NATIVE_ROUNDING and node.dtype == np.float32)
+
+
+class NativeExecutor:
+    """``executors.get("native")``: compile(graph, outputs, poison=False) -> NativeProgram. The C
+    kernels are built on the first compile (NativeUnavailable without a working compiler)."""
+
+    name = "native"
+    kernels = KERNELS
+
+    def compile(self, graph, outputs, poison: bool = False) -> NativeProgram:
+        library()
+        return NativeProgram(graph, outputs, poison=poison)

@@ -1,0 +1,280 @@
+/* graphlm's native kernels: the float32 loops behind executors/native.py.
+ *
+ * Each function is one fused pass (or one pass per row) over contiguous float32 memory that the
+ * executor planned: no allocation, no threads (the executor cuts the work into ranges and runs
+ * them on its own threads; ctypes releases the GIL for the call), no global state.
+ *
+ * Compiled on first use by executors/native.py with the machine's C compiler:
+ *     cc -O3 -march=native -ffp-contract=off -fno-math-errno -fPIC -shared
+ * -ffp-contract=off keeps every `a*b + c` written here as two roundings, so the kernels that do
+ * not call exp_f32 or sum a row (dropout, AdamW, the attention gradient's ds) compute exactly
+ * what the numpy executor computes; exp_f32's polynomial asks for fused multiply-adds by name.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifdef __FMA__
+#define MADD(a, b, c) fmaf((a), (b), (c))
+#else
+#define MADD(a, b, c) ((a) * (b) + (c))
+#endif
+
+#define LANES 16   /* partial sums per row reduction (two AVX registers of 8 floats) */
+
+static inline float bits_to_float(uint32_t i) { float f; memcpy(&f, &i, 4); return f; }
+static inline uint32_t float_to_bits(float f) { uint32_t i; memcpy(&i, &f, 4); return i; }
+
+/* exp(x) in float32, within 2 ulp (Cephes' expf: x = n*ln2 + r, |r| <= ln2/2, a degree-6
+ * polynomial for e^r, then 2^n put in the exponent bits). Branch-free, so the compiler
+ * vectorises the loops that call it. Above EXP_HI the result is +inf (true exp overflows a
+ * little later, at 88.72); below EXP_LO (ln of the smallest normal float) it is 0 (NumPy
+ * returns subnormals there); NaN gives NaN. */
+#define EXP_HI 88.3762626647949f
+#define EXP_LO -87.3365447504019f
+static inline float exp_f32(float x) {
+    float c = x > EXP_HI ? EXP_HI : x;
+    c = c < EXP_LO ? EXP_LO : c;
+    float t = MADD(c, 1.44269504088896341f, 12582912.0f);   /* n in t's low mantissa bits */
+    float n = t - 12582912.0f;
+    float r = MADD(n, -0.693359375f, c);
+    r = MADD(n, 2.12194440e-4f, r);
+    float p = 1.9875691500e-4f;
+    p = MADD(p, r, 1.3981999507e-3f);
+    p = MADD(p, r, 8.3334519073e-3f);
+    p = MADD(p, r, 4.1665795894e-2f);
+    p = MADD(p, r, 1.6666665459e-1f);
+    p = MADD(p, r, 5.0000001201e-1f);
+    p = MADD(p, r * r, r) + 1.0f;
+    uint32_t e = (float_to_bits(t) - 0x4B400000u + 127u) << 23;   /* 2^n, n in [-126, 127] */
+    float y = p * bits_to_float(e);
+    y = x > EXP_HI ? INFINITY : y;
+    y = x < EXP_LO ? 0.0f : y;
+    return y;
+}
+
+static inline float row_sum(const float *x, int64_t n) {
+    float acc[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int j = 0; j < LANES; j++) acc[j] += x[i + j];
+    float s = 0.0f;
+    for (; i < n; i++) s += x[i];
+    for (int j = 0; j < LANES; j++) s += acc[j];
+    return s;
+}
+
+static inline float row_dot(const float *x, const float *y, int64_t n) {
+    float acc[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int j = 0; j < LANES; j++) acc[j] += x[i + j] * y[i + j];
+    float s = 0.0f;
+    for (; i < n; i++) s += x[i] * y[i];
+    for (int j = 0; j < LANES; j++) s += acc[j];
+    return s;
+}
+
+static inline float row_max(const float *x, int64_t n) {
+    float acc[LANES];
+    for (int j = 0; j < LANES; j++) acc[j] = -INFINITY;
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int j = 0; j < LANES; j++) acc[j] = x[i + j] > acc[j] ? x[i + j] : acc[j];
+    float m = -INFINITY;
+    for (; i < n; i++) m = x[i] > m ? x[i] : m;
+    for (int j = 0; j < LANES; j++) m = acc[j] > m ? acc[j] : m;
+    return m;
+}
+
+/* ---- elementwise ------------------------------------------------------------------------ */
+
+void gl_exp(const float *x, float *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] = exp_f32(x[i]);
+}
+
+/* tanh GELU: s = 1 / (exp((x*x*a + b)*x) + 1), y = x*s (graphlm.ops' GELU note); s kept when
+ * `keep` is not NULL, for the backward. */
+void gl_gelu_tanh(const float *x, float *y, float *keep, int64_t n, float a, float b) {
+    if (keep) {
+        for (int64_t i = 0; i < n; i++) {
+            float xi = x[i];
+            float s = 1.0f / (exp_f32((xi * xi * a + b) * xi) + 1.0f);
+            keep[i] = s;
+            y[i] = xi * s;
+        }
+    } else {
+        for (int64_t i = 0; i < n; i++) {
+            float xi = x[i];
+            y[i] = xi / (exp_f32((xi * xi * a + b) * xi) + 1.0f);
+        }
+    }
+}
+
+/* tanh GELU's input gradient: out = g*(s + (1 - s)*s*x*(x*x*da + db)), from the forward's
+ * kept s, or with s recomputed (constants a, b) when `kept` is NULL. */
+void gl_gelu_tanh_backward(const float *x, const float *g, const float *kept, float *out, int64_t n,
+                           float a, float b, float da, float db) {
+    if (kept) {
+        for (int64_t i = 0; i < n; i++) {
+            float xi = x[i], s = kept[i];
+            out[i] = g[i] * ((1.0f - s) * s * xi * (xi * xi * da + db) + s);
+        }
+    } else {
+        for (int64_t i = 0; i < n; i++) {
+            float xi = x[i];
+            float s = 1.0f / (exp_f32((xi * xi * a + b) * xi) + 1.0f);
+            out[i] = g[i] * ((1.0f - s) * s * xi * (xi * xi * da + db) + s);
+        }
+    }
+}
+
+/* ---- layer norm (rows of `cols` floats) ------------------------------------------------- */
+
+/* y = (x - mean) / sqrt(mean((x - mean)^2) + eps) * w + b per row (w, b may be NULL). Kept for
+ * the backward when not NULL: xc = x - mean, sv = the row's sqrt(var + eps), xhat = xc / sv. */
+void gl_layer_norm(const float *x, const float *w, const float *b, float *y, float *xc_keep,
+                   float *sv_keep, float *xhat_keep, int64_t rows, int64_t cols, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * cols;
+        float *yr = y + r * cols;
+        float *xc = xc_keep ? xc_keep + r * cols : yr;
+        float mean = row_sum(xr, cols) / (float)cols;
+        for (int64_t i = 0; i < cols; i++) xc[i] = xr[i] - mean;
+        float sv = sqrtf(row_dot(xc, xc, cols) / (float)cols + eps);
+        if (sv_keep) sv_keep[r] = sv;
+        float *xh = xhat_keep ? xhat_keep + r * cols : yr;
+        for (int64_t i = 0; i < cols; i++) xh[i] = xc[i] / sv;
+        if (w && b) {
+            for (int64_t i = 0; i < cols; i++) yr[i] = xh[i] * w[i] + b[i];
+        } else if (w) {
+            for (int64_t i = 0; i < cols; i++) yr[i] = xh[i] * w[i];
+        } else if (b) {
+            for (int64_t i = 0; i < cols; i++) yr[i] = xh[i] + b[i];
+        } else if (xh != yr) {
+            memcpy(yr, xh, (size_t)cols * sizeof(float));
+        }
+    }
+}
+
+/* Layer norm's input gradient: out = r*(gh - mean(gh) - xhat*mean(gh*xhat)), gh = g*w (or g),
+ * r = 1/sv, xhat = xc*r. From the forward's kept xc and sv; when `sv` is NULL, `xc` is x and
+ * both are recomputed (eps used only then). */
+void gl_layer_norm_backward(const float *xc, const float *sv, const float *g, const float *w,
+                            float *out, int64_t rows, int64_t cols, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *cr = xc + r * cols, *gr = g + r * cols;
+        float *o = out + r * cols;
+        float mean = 0.0f, rr;
+        if (sv) {
+            rr = 1.0f / sv[r];
+        } else {
+            mean = row_sum(cr, cols) / (float)cols;
+            float ss = 0.0f;
+            for (int64_t i = 0; i < cols; i++) o[i] = cr[i] - mean;   /* o holds xc meanwhile */
+            ss = row_dot(o, o, cols);
+            rr = 1.0f / sqrtf(ss / (float)cols + eps);
+            cr = o;
+        }
+        float acc1[LANES] = {0}, acc2[LANES] = {0};
+        int64_t i = 0;
+        for (; i + LANES <= cols; i += LANES)
+            for (int j = 0; j < LANES; j++) {
+                float gh = w ? gr[i + j] * w[i + j] : gr[i + j];
+                acc1[j] += gh;
+                acc2[j] += gh * (cr[i + j] * rr);
+            }
+        float m1 = 0.0f, m2 = 0.0f;
+        for (; i < cols; i++) {
+            float gh = w ? gr[i] * w[i] : gr[i];
+            m1 += gh;
+            m2 += gh * (cr[i] * rr);
+        }
+        for (int j = 0; j < LANES; j++) { m1 += acc1[j]; m2 += acc2[j]; }
+        m1 /= (float)cols;
+        m2 /= (float)cols;
+        for (i = 0; i < cols; i++) {
+            float gh = w ? gr[i] * w[i] : gr[i];
+            o[i] = rr * (gh - m1 - (cr[i] * rr) * m2);
+        }
+    }
+}
+
+/* ---- causal attention's softmax (numpy_executor.py, "causal attention") ------------------ */
+
+/* One query block of `nmat` score matrices, each `rows` x `cols` and contiguous, row i being
+ * query r0 + i: E = exp(s - rowmax) over the keys [0, r0 + i], 0 above the diagonal, in place;
+ * l[m*l_stride + i] = rowsum(E). */
+void gl_causal_softmax_block(float *s, float *l, int64_t nmat, int64_t rows, int64_t cols,
+                             int64_t r0, int64_t l_stride) {
+    for (int64_t m = 0; m < nmat; m++) {
+        for (int64_t i = 0; i < rows; i++) {
+            float *x = s + (m * rows + i) * cols;
+            int64_t valid = r0 + i + 1 < cols ? r0 + i + 1 : cols;
+            float mx = row_max(x, valid);
+            for (int64_t j = 0; j < valid; j++) x[j] = exp_f32(x[j] - mx);
+            for (int64_t j = valid; j < cols; j++) x[j] = 0.0f;
+            l[m * l_stride + i] = row_sum(x, valid);
+        }
+    }
+}
+
+/* The softmax gradient's ds = (s - dd) * E over one query block, in place in s (dd one value
+ * per row, at dd[m*dd_stride + i]): the numpy kernel's two passes, rounded the same way. */
+void gl_softmax_ds_block(float *s, const float *e, const float *dd, int64_t nmat, int64_t rows,
+                         int64_t cols, int64_t dd_stride) {
+    for (int64_t m = 0; m < nmat; m++) {
+        for (int64_t i = 0; i < rows; i++) {
+            float *x = s + (m * rows + i) * cols;
+            const float *er = e + (m * rows + i) * cols;
+            float d = dd[m * dd_stride + i];
+            for (int64_t j = 0; j < cols; j++) x[j] = (x[j] - d) * er[j];
+        }
+    }
+}
+
+/* ---- dropout (graphlm.random: counter-based splitmix64) ---------------------------------- */
+
+#define GOLDEN 0x9E3779B97F4A7C15ull
+#define MIX1 0xBF58476D1CE4E5B9ull
+#define MIX2 0x94D049BB133111EBull
+
+/* Elements [lo, hi): keep = mix64(base + (i+1)*GOLDEN) >= threshold (mix64's last xor-shift
+ * left out: it does not change bits 33-63, the only ones the test reads; see
+ * numpy_executor.keep_mask_drawer); mask[i] = keep and, when x is not NULL,
+ * out[i] = (x[i] * keep) * scale. */
+void gl_dropout_draw(uint8_t *mask, const float *x, float *out, int64_t lo, int64_t hi,
+                     uint64_t base, uint64_t threshold, float scale) {
+    for (int64_t i = lo; i < hi; i++) {
+        uint64_t z = base + (uint64_t)(i + 1) * GOLDEN;
+        z = (z ^ (z >> 30)) * MIX1;
+        z = (z ^ (z >> 27)) * MIX2;
+        mask[i] = z >= threshold;
+    }
+    if (x)
+        for (int64_t i = lo; i < hi; i++) out[i] = (x[i] * (float)mask[i]) * scale;
+}
+
+/* out = (x * mask) * scale over n elements. */
+void gl_dropout_apply(const float *x, const uint8_t *mask, float *out, int64_t n, float scale) {
+    for (int64_t i = 0; i < n; i++) out[i] = (x[i] * (float)mask[i]) * scale;
+}
+
+/* ---- AdamW (graphlm.optim), one parameter, in place -------------------------------------- */
+
+/* The numpy kernel's arithmetic in its order, each product and sum rounded on its own:
+ *   g = grad*coef; p *= decay (when wd); m = m*b1 + cb1*g; v = v*b2 + (cb2*g)*g;
+ *   p -= (step*m) / (sqrt(v)/bc2 + eps) */
+void gl_adamw(float *p, const float *grad, float *m, float *v, int64_t n, float coef, int wd,
+              float decay, float b1, float cb1, float b2, float cb2, float bc2, float eps,
+              float step) {
+    for (int64_t i = 0; i < n; i++) {
+        float g = grad[i] * coef;
+        float pi = wd ? p[i] * decay : p[i];
+        float mi = m[i] * b1 + cb1 * g;
+        float vi = v[i] * b2 + (cb2 * g) * g;
+        m[i] = mi;
+        v[i] = vi;
+        p[i] = pi - (step * mi) / (sqrtf(vi) / bc2 + eps);
+    }
+}
