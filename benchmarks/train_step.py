@@ -1,4 +1,4 @@
-"""TinyLM training step: graphlm (numpy executor) vs PyTorch eager, side by side in one process.
+"""TinyLM training step: graphlm (native or numpy executor) vs PyTorch eager, side by side in one process.
 
 The same architecture, the same initial weights and the same step (forward with dropout, mean
 cross-entropy, backward, global-norm clipping at 1.0, AdamW with decay on matrices only) in both
@@ -21,7 +21,11 @@ reports its peak resident set (VmHWM) and the peak over its resident set right a
 the graphlm child never imports torch.
 
     python benchmarks/train_step.py [--batches 1 8 32] [--steps 15] [--threads 2] [--quick]
-        [--json benchmarks/train_step.json] [--markdown PATH] [--no-memory] [--profile]
+        [--executor native|numpy] [--json benchmarks/train_step.json] [--markdown PATH]
+        [--no-memory] [--profile]
+
+graphlm runs on the native executor (the numpy executor with its hot float32 kernels in C) by
+default; ``--executor numpy`` measures the pure-NumPy one.
 
 `--profile` instead prints where graphlm's step time goes (per op kind; forward, backward and
 optimizer) from `NumpyProgram.profile`.
@@ -56,6 +60,8 @@ from tools.params import flops_per_token  # noqa: E402
 
 LR, WEIGHT_DECAY, CLIP = 1e-3, 0.01, 1.0
 LOSS_TOLERANCE = 1e-4
+EXECUTOR = "native"   # graphlm's executor (--executor)
+THREADS = 1
 
 
 # == graphlm ==========================================================================================
@@ -75,7 +81,7 @@ class GraphlmStep:
         self.optimizer = AdamW(lr=LR, weight_decay=WEIGHT_DECAY, clip_norm=CLIP)
         step = self.optimizer.minimize(loss)
         self.graph = g
-        self.program = executors.get("numpy").compile(g, [loss, step.grad_norm, step.update])
+        self.program = executors.get(EXECUTOR).compile(g, [loss, step.grad_norm, step.update])
         self.state = model.init(seed)
         self.state.update(self.optimizer.init_state())
         self.uses_dropout = DROPOUT_KEY in g.inputs
@@ -292,7 +298,8 @@ def measure_memory(batch: int, threads: int) -> dict:
     out = {}
     for fw in ("graphlm", "torch", "torch_sdpa"):
         r = subprocess.run([sys.executable, __file__, "--child", fw, "--batches", str(batch),
-                            "--threads", str(threads)], capture_output=True, text=True, check=True)
+                            "--threads", str(threads), "--executor", EXECUTOR],
+                           capture_output=True, text=True, check=True)
         out[fw] = json.loads(r.stdout.strip().splitlines()[-1])
     return out
 
@@ -342,7 +349,7 @@ def profile_table(prof: dict) -> str:
 # == report ===========================================================================================
 
 def markdown(result: dict) -> str:
-    lines = [f"TinyLM training step, {result['threads']} thread(s), turns of {result.get('block', 1)} steps, np.matmul 2048^3 peak "
+    lines = [f"TinyLM training step, graphlm's {result.get('executor', 'numpy')} executor, {result['threads']} thread(s), turns of {result.get('block', 1)} steps, np.matmul 2048^3 peak "
              f"{result['matmul_peak_gflops']} GFLOP/s, dropout {result['config']['dropout']}. "
              "torch: attention spelled out; torch_sdpa: F.scaled_dot_product_attention",
              "",
@@ -366,11 +373,10 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-THREADS = 1
 
 
 def main(argv=None) -> int:
-    global THREADS
+    global THREADS, EXECUTOR
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--steps", type=int, default=30, help="timed steps per framework and batch")
@@ -384,6 +390,8 @@ def main(argv=None) -> int:
     ap.add_argument("--block", type=int, default=3,
                     help="timed steps per turn, back to back after one untimed step (default 3; "
                          "1 = every timed step alone after the gap, the protocol before)")
+    ap.add_argument("--executor", choices=["native", "numpy"], default="native",
+                    help="graphlm's executor (default native: numpy's plan with C kernels)")
     ap.add_argument("--quick", action="store_true", help="batches 1 and 8, 4 timed steps, no memory")
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     ap.add_argument("--profile", action="store_true", help="print graphlm's time per op kind instead")
@@ -391,7 +399,7 @@ def main(argv=None) -> int:
     ap.add_argument("--markdown", help="also write the markdown table here")
     ap.add_argument("--child", choices=["graphlm", "torch", "torch_sdpa"], help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    THREADS = args.threads
+    THREADS, EXECUTOR = args.threads, args.executor
     numpy_executor.set_threads(args.threads)   # graphlm: the executor's threads, BLAS on one
     config = GPTConfig.preset("tinylm")
 
@@ -415,7 +423,7 @@ def main(argv=None) -> int:
     check = loss_check(config, min(args.batches), torch)
     rows = [time_batch(config, b, args.steps, args.warmup, torch, peak, args.gap, args.block)
             for b in args.batches]
-    result = {"benchmark": "train_step", "config": config.to_dict(), "threads": args.threads,
+    result = {"benchmark": "train_step", "executor": EXECUTOR, "config": config.to_dict(), "threads": args.threads,
               "gap_s": args.gap, "block": args.block,
               "matmul_peak_gflops": round(peak, 1), "loss_check": check, "rows": rows,
               "peak_memory_method": "peak RSS (VmHWM) of a subprocess per framework and batch, 3 steps",

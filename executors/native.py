@@ -129,39 +129,49 @@ def _compile(cc: str, target: Path) -> None:
 
 def library():
     """The loaded kernel library (compiled on first use, then cached on disk and here)."""
-    if "lib" in _library:
-        return _library["lib"]
     with _library_lock:
-        if "lib" in _library:
-            return _library["lib"]
-        cc = os.environ.get("CC") or "cc"
-        if shutil.which(cc) is None:
-            raise NativeUnavailable(f"the native executor needs a C compiler: '{cc}' was not found "
-                                    "(install gcc or clang, or set CC to one; the numpy executor "
-                                    "needs none)")
-        try:
-            version = _run_compiler([cc, "--version"]).stdout
-        except (OSError, subprocess.SubprocessError) as e:
-            raise NativeUnavailable(f"the native executor could not run the C compiler '{cc}': {e}") from None
-        key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS + HOST_FLAGS), cc, version,
-                                        _cpu_signature()]).encode()).hexdigest()[:20]
-        target = cache_dir() / f"native-{key}.so"
-        if not target.exists():
+        if "lib" not in _library:
+            if "error" in _library:   # (a failed build is not retried in this process)
+                raise NativeUnavailable(_library["error"])
             try:
-                _compile(cc, target)
-            except OSError as e:   # an unwritable cache: build into a private temporary folder
-                target = Path(tempfile.mkdtemp(prefix="graphlm-native-")) / target.name
-                _compile(cc, target)
+                _library["lib"] = _build_and_load()
+            except NativeUnavailable as e:
+                _library["error"] = str(e)
+                raise
+        return _library["lib"]
+
+
+def _build_and_load():
+    cc = os.environ.get("CC") or "cc"
+    if shutil.which(cc) is None:
+        raise NativeUnavailable(f"the native executor needs a C compiler: '{cc}' was not found "
+                                "(install gcc or clang, or set CC to one; the numpy executor "
+                                "needs none)")
+    try:
+        version = _run_compiler([cc, "--version"]).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise NativeUnavailable(f"the native executor could not run the C compiler '{cc}': {e}") from None
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS + HOST_FLAGS), cc, version,
+                                    _cpu_signature()]).encode()).hexdigest()[:20]
+    target = cache_dir() / f"native-{key}.so"
+    try:
+        lib = ctypes.CDLL(str(target)) if target.exists() else None
+    except OSError:   # a damaged cached file: built again below
+        lib = None
+    if lib is None:
+        try:
+            _compile(cc, target)
+        except OSError:   # an unwritable cache folder: build into a private temporary one
+            target = Path(tempfile.mkdtemp(prefix="graphlm-native-")) / target.name
+            _compile(cc, target)
         try:
             lib = ctypes.CDLL(str(target))
         except OSError as e:
-            raise NativeUnavailable(f"the native executor could not load {target}: {e} "
-                                    "(delete it to rebuild)") from None
-        for name, argtypes in SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = argtypes, None
-        _library["lib"] = lib
-        return lib
+            raise NativeUnavailable(f"the native executor could not load {target}: {e}") from None
+    for name, argtypes in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, None
+    return lib
 
 
 def available() -> bool:
@@ -480,6 +490,11 @@ class NativeExecutor:
 
     name = "native"
     kernels = KERNELS
+
+    @staticmethod
+    def available() -> bool:
+        """Whether the C kernels build and load here (compiling them if needed)."""
+        return available()
 
     def compile(self, graph, outputs, poison: bool = False) -> NativeProgram:
         library()

@@ -25,7 +25,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from . import data as data_mod
-from .backends import get_executor
+from .backends import default_executor, get_executor
 from .io.checkpoint import load_checkpoint, save_checkpoint
 from .ir import Graph
 from .models import GPT, GPTConfig
@@ -57,14 +57,14 @@ class TrainOptions:
     eval_every: int = 200
     eval_batches: int | None = 16     # validation batches per evaluation (None: the whole split)
     data: str | None = None           # a text file; None = the bundled tiny Shakespeare
-    executor: str = "numpy"
+    executor: str = "auto"            # "auto": native where a C compiler works, else numpy
     # GPTConfig field overrides of the preset. Dropout is off by default: the default run sees
     # the corpus about once in its 15 minutes, so it underfits and dropout would only slow it.
     model: dict = field(default_factory=lambda: {"dropout": 0.0})
 
     # options that decide the numbers of the run (a resume must keep them for bit-exactness)
     EXACT = ("preset", "batch_size", "lr", "min_lr_ratio", "warmup", "decay_steps", "weight_decay",
-             "beta1", "beta2", "eps", "clip_norm", "seed", "data", "model")
+             "beta1", "beta2", "eps", "clip_norm", "seed", "data", "model", "executor")
 
     def __post_init__(self):
         def check(ok, what):
@@ -128,6 +128,8 @@ class Trainer:
         self.schedule = WarmupCosine(o.lr, o.warmup, o.horizon, o.min_lr_ratio)
         self.optimizer = AdamW(lr=self.schedule, betas=(o.beta1, o.beta2), eps=o.eps,
                                weight_decay=o.weight_decay, clip_norm=o.clip_norm)
+        if o.executor == "auto":   # the checkpoint records the executor that ran
+            self.options = o = dataclasses.replace(o, executor=default_executor())
         executor = get_executor(o.executor)
 
         # the training step: forward + loss + backward + clip + update, one program

@@ -325,6 +325,14 @@ def test_the_library_is_built_once_into_the_cache_and_reused(fresh_build, monkey
     native.library()
 
 
+def test_auto_picks_native_where_it_builds_and_numpy_where_not(fresh_build, monkeypatch):
+    from graphlm.backends import default_executor, get_executor
+    assert default_executor() == "native" and get_executor("auto") is NATIVE
+    native._library.clear()
+    monkeypatch.setenv("CC", "no-such-cc-graphlm")
+    assert default_executor() == "numpy" and get_executor("auto") is NUMPY
+
+
 def test_a_missing_compiler_is_named_and_numpy_still_runs(fresh_build, monkeypatch):
     monkeypatch.setenv("CC", "no-such-cc-graphlm")
     g = gl.Graph("x")
@@ -343,3 +351,21 @@ def test_a_failing_compiler_shows_its_command_and_leaves_no_file(fresh_build, mo
     with pytest.raises(native.NativeUnavailable, match="(?s)could not compile.*cannot compile today"):
         native.library()
     assert not list(fresh_build.glob("*"))
+
+
+def test_a_damaged_cached_library_is_built_again(tmp_path):
+    """In new processes (a process that loaded the library keeps it mapped under its name)."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, GRAPHLM_CACHE_DIR=str(tmp_path))
+    script = ("import numpy as np; from executors import native; lib = native.library(); "
+              "x = np.zeros(2, np.float32); y = np.empty_like(x); "
+              "lib.gl_exp(x.ctypes.data, y.ctypes.data, 2); print(y.tolist())")
+    run = lambda: subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert run().stdout.strip() == "[1.0, 1.0]"
+    (built,) = tmp_path.glob("native-*.so")
+    built.write_bytes(b"not a shared library")
+    again = run()
+    assert again.stdout.strip() == "[1.0, 1.0]", again.stderr
+    assert built.stat().st_size > 1000

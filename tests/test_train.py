@@ -34,13 +34,15 @@ def tiny_options(small_text, **kw):
     return TrainOptions(**base)
 
 
-def test_numpy_training_steps_match_reference(small_text):
+@pytest.mark.parametrize("executor", ["numpy", "native"])
+def test_training_steps_match_reference(small_text, executor):
     runs = {}
-    for ex in ("reference", "numpy"):
+    for ex in ("reference", executor):
         tr = Trainer(tiny_options(small_text, executor=ex))
+        assert tr.options.executor == ex
         losses = [tr.train_step().loss for _ in range(4)]
         runs[ex] = (losses, tr.state, tr.evaluate())
-    (lr_, sr, vr), (ln, sn, vn) = runs["reference"], runs["numpy"]
+    (lr_, sr, vr), (ln, sn, vn) = runs["reference"], runs[executor]
     np.testing.assert_allclose(ln, lr_, rtol=1e-5)
     assert vn == pytest.approx(vr, rel=1e-5)
     for k in sr:

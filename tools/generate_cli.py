@@ -29,7 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0, help="keep the K most likely tokens (default 0: off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: off)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
-    p.add_argument("--executor", default="numpy", help="executor (default: numpy)")
+    p.add_argument("--executor", default="auto",
+                   help="executor (default: auto, the native one where a C compiler works, else numpy)")
     p.add_argument("--threads", type=int, default=default_threads(),
                    help="threads of the numpy executor, BLAS on one (default: the available cores, "
                         "at most 4; 0 = leave threading to OpenBLAS)")
