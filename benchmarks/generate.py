@@ -1,4 +1,4 @@
-"""Sampling speed at batch 1: graphlm (numpy executor) vs PyTorch eager, with and without a KV cache,
+"""Sampling speed at batch 1: graphlm (native or numpy executor) vs PyTorch eager, with and without a KV cache,
 on the same TinyLM weights. Prints a table and writes JSON (``--json PATH``, default stdout only).
 
     python benchmarks/generate.py [--checkpoint runs/tinylm/checkpoint.safetensors]
@@ -92,7 +92,7 @@ def torch_decode(tm, torch, prompt, n, cached: bool):
 
 # -- graphlm ----------------------------------------------------------------------------------------
 def graphlm_cached(model, params, prompt, n):
-    gen = Generator(model, params, executor="numpy")
+    gen = Generator(model, params, executor=EXECUTOR)
     seq = list(prompt)
     times = []
     logits = gen.prefill(np.asarray([seq]))
@@ -109,7 +109,7 @@ def graphlm_no_cache(model, params, prompt, n):
     model.eval()
     g = Graph("forward_window")
     logits_node = model(g.input("tokens", (1, t), np.int64))
-    prog = get_executor("numpy").compile(g, [logits_node])
+    prog = get_executor(EXECUTOR).compile(g, [logits_node])
     window = np.zeros((1, t), np.int64)
     seq = list(prompt)
     window[0, :len(seq)] = seq
@@ -124,7 +124,11 @@ def graphlm_no_cache(model, params, prompt, n):
     return seq[len(prompt):], times
 
 
+EXECUTOR = "native"   # graphlm's executor (--executor)
+
+
 def main(argv=None) -> int:
+    global EXECUTOR
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--checkpoint", help="weights from a training checkpoint (default: TinyLM init, seed 0)")
     ap.add_argument("--prompt-length", type=int, default=16)
@@ -132,8 +136,11 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1,
                     help="graphlm executor threads (BLAS on one) and torch threads (default 1)")
     ap.add_argument("--repeats", type=int, default=3, help="runs per variant; the median per-token time is kept")
+    ap.add_argument("--executor", choices=["native", "numpy"], default="native",
+                    help="graphlm's executor (default native: numpy's plan with C kernels)")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args(argv)
+    EXECUTOR = args.executor
 
     import torch
     from executors import numpy_executor
@@ -168,7 +175,7 @@ def main(argv=None) -> int:
             tokens[name] = toks
             per_token[name].append(statistics.median(times))
     agree = {k: tokens[k] == tokens["torch_kv_cache"] for k in tokens}
-    result = {"config": config.to_dict(), "prompt_length": args.prompt_length,
+    result = {"executor": EXECUTOR, "config": config.to_dict(), "prompt_length": args.prompt_length,
               "new_tokens": args.new_tokens, "threads": args.threads, "repeats": args.repeats,
               "same_greedy_tokens_as_torch": agree, "variants": {}}
     for name in variants:
