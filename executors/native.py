@@ -129,6 +129,9 @@ def _compile(cc: str, target: Path) -> None:
 
 def library():
     """The loaded kernel library (compiled on first use, then cached on disk and here)."""
+    lib = _library.get("lib")
+    if lib is not None:   # (the attention kernels ask once per block: no lock on this path)
+        return lib
     with _library_lock:
         if "lib" not in _library:
             if "error" in _library:   # (a failed build is not retried in this process)

@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--executor", default="auto",
                    help="executor (default: auto, the native one where a C compiler works, else numpy)")
     p.add_argument("--threads", type=int, default=default_threads(),
-                   help="threads of the numpy executor, BLAS on one (default: the available cores, "
+                   help="threads of the numpy and native executors, BLAS on one (default: the available cores, "
                         "at most 4; 0 = leave threading to OpenBLAS)")
 
 

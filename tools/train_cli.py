@@ -58,7 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-batches", type=int,
                    help=f"validation batches per evaluation (default: {d.eval_batches})")
     p.add_argument("--data", help="train on this text file (default: bundled tiny Shakespeare)")
-    p.add_argument("--executor", help=f"executor (default: {d.executor})")
+    p.add_argument("--executor", help=f"native, numpy or reference (default: {d.executor}, the native "
+                   "executor where a C compiler works, else numpy)")
     g = p.add_argument_group("model overrides of the preset")
     g.add_argument("--context-length", type=int)
     g.add_argument("--channels", type=int)
@@ -66,7 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--layers", type=int)
     g.add_argument("--dropout", type=float)
     p.add_argument("--threads", type=int, default=default_threads(),
-                   help="threads of the numpy executor, which splits large kernels itself and runs "
+                   help="threads of the numpy and native executors, which split large kernels themselves and run "
                         "BLAS on one thread (default: the available cores, at most 4; results do "
                         "not depend on it; 0 = leave threading to OpenBLAS)")
     p.add_argument("--max-minutes", type=float, default=14.5,
