@@ -3,6 +3,8 @@
 - ``torch``: the PyTorch module (the test oracle), or the test is skipped where it is missing.
 - ``rng``: a seeded NumPy generator, a fresh one per test so tests do not depend on order.
 - ``run_graph``: ``run_graph(graph, outputs, feeds, state, executor="reference")``.
+- ``native``: the native executor; its tests are skipped where no C compiler works, or fail
+  there when GRAPHLM_REQUIRE_NATIVE=1 (CI sets it).
 - every test starts on one numpy-executor thread (the CLIs' ``--threads`` default sets the
   process-wide count; a test that runs them must not change what later tests run on).
 
@@ -20,6 +22,21 @@ from tests.gradcheck import run
 @pytest.fixture(scope="session")
 def torch():
     return pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="session")
+def native():
+    import os
+
+    import executors
+    from executors import native as native_module
+    try:
+        native_module.library()
+    except native_module.NativeUnavailable as e:
+        if os.environ.get("GRAPHLM_REQUIRE_NATIVE"):
+            pytest.fail(f"GRAPHLM_REQUIRE_NATIVE is set but the native executor is unavailable: {e}")
+        pytest.skip(f"the native executor is unavailable here: {e}")
+    return executors.get("native")
 
 
 @pytest.fixture

@@ -35,7 +35,9 @@ def tiny_options(small_text, **kw):
 
 
 @pytest.mark.parametrize("executor", ["numpy", "native"])
-def test_training_steps_match_reference(small_text, executor):
+def test_training_steps_match_reference(small_text, executor, request):
+    if executor == "native":
+        request.getfixturevalue("native")
     runs = {}
     for ex in ("reference", executor):
         tr = Trainer(tiny_options(small_text, executor=ex))
