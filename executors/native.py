@@ -376,20 +376,19 @@ def _ds_block(s, x, ddb):
 ATTENTION_BLOCK_STEPS = (_softmax_block, _ds_block)
 
 
-@native_kernel("causal_attention", "causal_attention_keep")
-def _causal_attention(node, out, ins, scratch):
-    if node.dtype != np.float32:
-        return None
-    library()
-    return npx._causal_attention(node, out, ins, scratch, steps=ATTENTION_BLOCK_STEPS)
+def _with_native_steps(numpy_build):
+    """The numpy attention kernel `numpy_build` with the C block steps (float32 only)."""
+    def build(node, out, ins, scratch):
+        if node.dtype != np.float32:
+            return None
+        library()
+        return numpy_build(node, out, ins, scratch, steps=ATTENTION_BLOCK_STEPS)
+    return build
 
 
-@native_kernel("causal_attention_backward", "causal_attention_backward_kept")
-def _causal_attention_backward(node, out, ins, scratch):
-    if node.dtype != np.float32:
-        return None
-    library()
-    return npx._causal_attention_backward(node, out, ins, scratch, steps=ATTENTION_BLOCK_STEPS)
+native_kernel("causal_attention", "causal_attention_keep")(_with_native_steps(npx._causal_attention))
+native_kernel("causal_attention_backward", "causal_attention_backward_kept")(
+    _with_native_steps(npx._causal_attention_backward))
 
 
 # == dropout ================================================================================================

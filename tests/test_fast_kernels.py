@@ -364,9 +364,9 @@ def split_everything(monkeypatch):
     monkeypatch.setattr(numpy_executor, "ATTENTION_CHUNK", 100)       # one matrix per run
 
 
-def _train_two_steps(dropout: float):
-    """Two AdamW steps of a small GPT (dropout, clipping, weight decay) on the numpy executor:
-    (losses, grad norms, final state)."""
+def train_steps(dropout: float, executor: str = "numpy", steps: int = 2):
+    """AdamW steps of a small GPT (dropout, clipping, weight decay) on `executor`:
+    (losses, grad norms, final state) as arrays."""
     from graphlm.models import GPT, GPTConfig
     from graphlm.optim import AdamW
     cfg = GPTConfig(vocab_size=13, context_length=32, channels=48, head_count=2, layer_count=2, dropout=dropout)
@@ -375,18 +375,24 @@ def _train_two_steps(dropout: float):
     g, loss = model.loss_graph(4, name="threads_step")
     opt = AdamW(lr=1e-2, weight_decay=0.1, clip_norm=0.5)
     step = opt.minimize(loss)
-    prog = NUMPY.compile(g, [loss, step.grad_norm, step.update])
+    prog = executors.get(executor).compile(g, [loss, step.grad_norm, step.update])
     state = {**model.init(seed=3), **opt.init_state()}
     rng = np.random.default_rng(8)
     losses, norms = [], []
-    for s in range(2):
+    for s in range(steps):
         feeds = {"tokens": rng.integers(0, 13, (4, 32)), "targets": rng.integers(0, 13, (4, 32)), **opt.feeds(s)}
         if "dropout_key" in g.inputs:
             feeds["dropout_key"] = np.asarray(100 + s, np.int64)
         loss_v, norm_v, _ = prog.run(feeds, state)
-        losses.append(loss_v.tobytes())
-        norms.append(norm_v.tobytes())
-    return losses, norms, {k: v.tobytes() for k, v in state.items()}
+        losses.append(loss_v)
+        norms.append(norm_v)
+    return losses, norms, state
+
+
+def _train_two_steps(dropout: float):
+    """train_steps on the numpy executor, every result as bytes (for bit-for-bit comparison)."""
+    losses, norms, state = train_steps(dropout)
+    return [x.tobytes() for x in losses], [x.tobytes() for x in norms], {k: v.tobytes() for k, v in state.items()}
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.2])

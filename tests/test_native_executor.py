@@ -19,6 +19,7 @@ import executors
 import graphlm as gl
 from executors import native, numpy_executor
 from tests.gradcheck import assert_close, feeds_of
+from tests.test_fast_kernels import train_steps
 from tests.test_numpy_executor import compare, gpt_step, graph_with_grads, random_dag
 from tests.test_ops import PARAMS, inputs_of
 
@@ -256,24 +257,10 @@ def test_gpt_training_step_matches_reference():
         np.testing.assert_array_equal(a, b)
 
 
-def _train(executor, threads, dropout=0.2):
-    from graphlm.models import GPT, GPTConfig
-    from graphlm.optim import AdamW
-    cfg = GPTConfig(vocab_size=13, context_length=32, channels=48, head_count=2, layer_count=2, dropout=dropout)
-    model = GPT(cfg)
-    model.train()
-    g, loss = model.loss_graph(4, name="native_step")
-    opt = AdamW(lr=1e-2, weight_decay=0.1, clip_norm=0.5)
-    step = opt.minimize(loss)
-    prog = executors.get(executor).compile(g, [loss, step.grad_norm, step.update])
-    state = {**model.init(seed=3), **opt.init_state()}
-    rng = np.random.default_rng(8)
+def _train(executor, threads):
+    """Three steps with dropout 0.2 (tests/test_fast_kernels.train_steps): (losses, state)."""
     _threads(threads)
-    losses = []
-    for s in range(3):
-        feeds = {"tokens": rng.integers(0, 13, (4, 32)), "targets": rng.integers(0, 13, (4, 32)),
-                 "dropout_key": np.asarray(100 + s, np.int64), **opt.feeds(s)}
-        losses.append(prog.run(feeds, state)[0])
+    losses, _, state = train_steps(0.2, executor, steps=3)
     return np.array(losses), state
 
 
