@@ -20,7 +20,7 @@ import graphlm as gl
 from executors import native, numpy_executor
 from tests.gradcheck import assert_close, feeds_of
 from tests.test_fast_kernels import train_steps
-from tests.test_numpy_executor import compare, gpt_step, graph_with_grads, random_dag
+from tests.test_numpy_executor import _peak_allocation, compare, gpt_step, graph_with_grads, random_dag
 from tests.test_ops import PARAMS, inputs_of
 
 NATIVE = executors.get("native")
@@ -277,6 +277,20 @@ def test_training_with_dropout_follows_the_reference_and_threads_change_no_bit(s
     for k in ref_state:
         if "qkv_bias" not in k:
             assert_close(state1[k], ref_state[k], 1e-3, 1e-3, k)
+
+
+def test_a_tinylm_step_allocates_almost_nothing_on_one_or_two_threads():
+    """The C kernels' calls are built once (raw addresses of planned arrays); a run allocates
+    little beyond the outputs it returns, on 1 and on 2 threads."""
+    from graphlm.models import GPTConfig
+    cfg = GPTConfig(vocab_size=256, context_length=128, channels=192, head_count=6, layer_count=4)
+    g, outputs, feeds, params, _ = gpt_step(2, cfg)
+    prog = NATIVE.compile(g, outputs)
+    for threads in (1, 2):
+        _threads(threads)
+        prog.run(feeds, params)   # builds the pieces
+        allocated = _peak_allocation(lambda: prog.profile(feeds, params))
+        assert allocated < 0.05 * prog.plan.arena_bytes, (threads, allocated, prog.plan.arena_bytes)
 
 
 def test_bad_token_id_fails_clearly_and_leaves_state_alone():

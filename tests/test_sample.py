@@ -10,6 +10,8 @@ from graphlm.random import SplitMix64
 from graphlm.sample import Generator, choose_token, generate_full_recompute
 
 EXECUTORS = ["reference"] + (["numpy"] if "numpy" in executors.available_executors() else [])
+if "native" in executors.available_executors() and executors.get("native").available():
+    EXECUTORS.append("native")
 CFG = GPTConfig(vocab_size=32, context_length=8, channels=16, head_count=2, layer_count=2, dropout=0.1)
 
 
