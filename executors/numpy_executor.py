@@ -22,6 +22,8 @@ The kernel table
 
 An op with a reference kernel but no entry here runs the reference kernel and copies its result
 into the planned buffer (correct, but it allocates); an op with neither fails at compile.
+`NumpyProgram.kernels` names the table a program uses: the native executor (executors/native.py)
+derives its program from this one with a copy of the table in which some kernels are C.
 Kernels compute exactly the reference's arithmetic, in the same order, so float results match
 the reference bit for bit except where noted (`ROUNDS_OWN_WAY`: causal attention in query blocks,
 see its section; `NumpyProgram.rounds_like_reference` says whether a program is exact).
