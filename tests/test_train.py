@@ -79,6 +79,20 @@ def test_programs_share_one_state_and_dropout_is_keyed_by_seed_and_step(small_te
     assert tr.evaluate() != before
 
 
+def test_the_checkpoint_records_the_executor_and_a_resume_on_another_is_flagged(tmp_path, small_text, capsys):
+    from graphlm.backends import default_executor
+    common = TINY_FLAGS + ["--data", small_text, "--eval-every", "5"]
+    assert cli_main(["train", *common, "--steps", "5", "--out", str(tmp_path)]) == 0
+    ran = read_checkpoint(tmp_path / "checkpoint.safetensors").options["executor"]
+    assert ran == default_executor() != "auto"
+    capsys.readouterr()
+    other = "reference" if ran == "numpy" else "numpy"
+    assert cli_main(["train", "--resume", "--steps", "7", "--executor", other, "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr()
+    assert "resuming with changed executor" in out.out + out.err
+    assert read_checkpoint(tmp_path / "checkpoint.safetensors").options["executor"] == other
+
+
 def test_resume_is_bit_exact(tmp_path, small_text):
     common = TINY_FLAGS + ["--data", small_text, "--eval-every", "5", "--seed", "3"]
     assert cli_main(["train", *common, "--steps", "20", "--out", str(tmp_path / "a")]) == 0
