@@ -34,6 +34,7 @@ import hashlib
 import math
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -106,7 +107,7 @@ def _run_compiler(cmd: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
-def _compile(cc: str, target: Path) -> None:
+def _compile(cc: list[str], target: Path) -> None:
     """Compile SOURCE into `target` (written whole or not at all)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
@@ -114,7 +115,7 @@ def _compile(cc: str, target: Path) -> None:
     try:
         tried = []
         for extra in (HOST_FLAGS, ()):
-            cmd = [cc, *FLAGS, *extra, str(SOURCE), "-o", tmp, "-lm"]
+            cmd = [*cc, *FLAGS, *extra, str(SOURCE), "-o", tmp, "-lm"]
             done = _run_compiler(cmd)
             if done.returncode == 0:
                 os.replace(tmp, target)
@@ -145,16 +146,16 @@ def library():
 
 
 def _build_and_load():
-    cc = os.environ.get("CC") or "cc"
-    if shutil.which(cc) is None:
-        raise NativeUnavailable(f"the native executor needs a C compiler: '{cc}' was not found "
+    cc = shlex.split(os.environ.get("CC") or "cc")   # (CC may carry a wrapper: "ccache gcc")
+    if not cc or shutil.which(cc[0]) is None:
+        raise NativeUnavailable(f"the native executor needs a C compiler: '{' '.join(cc)}' was not found "
                                 "(install gcc or clang, or set CC to one; the numpy executor "
                                 "needs none)")
     try:
-        version = _run_compiler([cc, "--version"]).stdout
+        version = _run_compiler([*cc, "--version"]).stdout
     except (OSError, subprocess.SubprocessError) as e:
-        raise NativeUnavailable(f"the native executor could not run the C compiler '{cc}': {e}") from None
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS + HOST_FLAGS), cc, version,
+        raise NativeUnavailable(f"the native executor could not run the C compiler '{' '.join(cc)}': {e}") from None
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS + HOST_FLAGS), " ".join(cc), version,
                                     _cpu_signature()]).encode()).hexdigest()[:20]
     target = cache_dir() / f"native-{key}.so"
     try:

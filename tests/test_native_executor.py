@@ -371,3 +371,19 @@ def test_a_damaged_cached_library_is_built_again(tmp_path):
     again = run()
     assert again.stdout.strip() == "[1.0, 1.0]", again.stderr
     assert built.stat().st_size > 1000
+
+
+def test_cc_with_a_wrapper_and_an_unwritable_cache_folder(fresh_build, monkeypatch, tmp_path):
+    """CC="env gcc"-style commands work, and a cache path that cannot be a folder (here a file)
+    makes the build go to a private temporary folder instead of failing."""
+    import shutil
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the cache folder would be")
+    monkeypatch.setenv("GRAPHLM_CACHE_DIR", str(blocker / "cache"))
+    monkeypatch.setenv("CC", f"env {shutil.which('cc') or 'cc'}")
+    lib = native.library()
+    x = np.array([0.0, 1.0], np.float32)
+    y = np.empty_like(x)
+    lib.gl_exp(x.ctypes.data, y.ctypes.data, 2)
+    np.testing.assert_allclose(y, [1.0, np.e], rtol=1e-6)
+    assert blocker.read_text().startswith("a file")
