@@ -58,7 +58,6 @@ from scipy import special
 
 from graphlm.ops import GELU_A, GELU_B, GELU_DA, GELU_DB, norm_parts
 from graphlm.random import GOLDEN, MASK64, MIX1, MIX2, dropout_keep_scale, stream_base
-from graphlm.registry import REGISTRY
 
 from . import reference
 from .base import ExecutionError, Program, check_index_range, node_where

@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from graphlm.ir import LEAF_OPS, Tensor, fmt_shape
+from graphlm.ir import Tensor
 from graphlm.registry import REGISTRY
 
 ALIGN = 64

@@ -13,7 +13,6 @@ from scipy import special
 
 from graphlm.ops import GELU_A, GELU_B, GELU_DA, GELU_DB, norm_parts
 from graphlm.random import dropout_keep_scale
-from graphlm.ir import Tensor
 
 from .base import ExecutionError, Program, check_index_range, node_where
 

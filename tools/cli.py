@@ -23,7 +23,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 EXIT_USAGE, EXIT_FAILED, EXIT_NO_GRAPHVIZ = 2, 1, 3
 DEFAULT_PRESET = "tinylm"

@@ -11,7 +11,6 @@ Building a graph allocates no parameter arrays, so GPT-2 small is counted withou
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 

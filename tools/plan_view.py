@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .render import (STYLE, GraphvizNotFound, RenderError, check_writable, dot_to, find_dot,
+from .render import (GraphvizNotFound, RenderError, check_writable, find_dot,
                      fmt_bytes, quote, write_atomic)
 from .stats import node_kind
 

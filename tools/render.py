@@ -30,7 +30,7 @@ import subprocess
 import tempfile
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from graphlm.ir import Graph, Tensor, fmt_shape
 

@@ -178,10 +178,8 @@ def run(args) -> int:
         (bar.write(msg) if bar else print(msg, file=log, flush=True))
 
     try:
-        out_of_time = False
         while trainer.step < o.steps and not interrupted["flag"]:
             if args.max_minutes and time.perf_counter() - start > 60 * args.max_minutes:
-                out_of_time = True
                 msg = (f"time limit of {args.max_minutes} minutes reached at step {trainer.step}; "
                        "validating and saving (continue with --resume)")
                 (bar.write(msg) if bar else print(msg, file=log, flush=True))
