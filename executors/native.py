@@ -31,7 +31,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
-import math
 import os
 import platform
 import shlex
@@ -47,7 +46,6 @@ from graphlm.ops import GELU_A, GELU_B, GELU_DA, GELU_DB, norm_parts
 from graphlm.random import stream_base
 
 from . import numpy_executor as npx
-from .base import ExecutionError, node_where
 from .numpy_executor import FusedNode, Kernel, NumpyProgram, _cuts, _MaskSlot, _parallel, _threaded, _workers
 
 SOURCE = Path(__file__).with_name("native_kernels.c")
@@ -194,8 +192,8 @@ def _ptr(a) -> int | None:
 
 
 def _native(*arrays) -> bool:
-    """Whether the native kernels take these arrays (float32 or uint8 masks, C-contiguous)."""
-    return all(a is None or (a.dtype in (np.float32, np.bool_) and a.flags.c_contiguous) for a in arrays)
+    """Whether the native kernels take these arrays (float32, C-contiguous; None for NULL)."""
+    return all(a is None or (a.dtype == np.float32 and a.flags.c_contiguous) for a in arrays)
 
 
 def _split_calls(call, units: int, unit_size: int, arrays):
@@ -231,7 +229,10 @@ def native_kernel(*names):
 
             def build_or_numpy(node, out, ins, scratch, build=build, base=base):
                 run = build(node, out, ins, scratch)
-                return run if run is not None else base.build(node, out, ins, scratch)
+                if run is None:
+                    return base.build(node, out, ins, scratch)
+                run.native = True   # (NativeProgram.native_ops reads it)
+                return run
             KERNELS[name] = Kernel(build_or_numpy, base.inplace, base.scratch)
         return build
     return deco
@@ -402,14 +403,15 @@ def _dropout_shared(node, out, ins, scratch):
     if a["draw"]:
         (slot.mask,) = scratch
     mask = slot.mask
-    if node.dtype != np.float32 or x.shape != out.shape or not _native(x, out, mask):
+    if (node.dtype != np.float32 or x.shape != out.shape or not _native(x, out)
+            or mask.dtype != np.bool_ or not mask.flags.c_contiguous):
         return None
     lib, scale = library(), float(np.float32(1.0 / (1.0 - a["p"])))
     if not a["draw"]:
         return _split_calls(lambda lo, hi: functools.partial(
             lib.gl_dropout_apply, _at(x, 1, lo), _at(mask, 1, lo), _at(out, 1, lo), hi - lo, scale),
             out.size, 1, (x, mask, out))
-    threshold = math.ceil(float(np.float32(a["p"])) * 2 ** 24) << 40   # see keep_mask_drawer
+    threshold = npx.keep_threshold(a["p"])
     base = [0]   # this run's stream start, read by the pieces
     pointers = (_ptr(mask), _ptr(x), _ptr(out))
     draw = _split_calls(lambda lo, hi: lambda: lib.gl_dropout_draw(*pointers, lo, hi, base[0], threshold, scale),
@@ -433,40 +435,38 @@ def _dropout(node, out, ins, scratch):
 def _adamw_update(node, out, ins, scratch):
     lr_a, step_a, coef_a = ins[:3]
     a = node.attrs
-    b1, b2, eps = a["beta1"], a["beta2"], a["eps"]
-    params = []   # (p, grad, m, v, wd) per parameter
+    f32 = lambda x: float(np.float32(x))   # (each constant rounded to float32 as the numpy kernel's)
+    moments = (f32(a["beta1"]), f32(1.0 - a["beta1"]), f32(a["beta2"]), f32(1.0 - a["beta2"]))
+    params = []   # (pointers, size, weight decay) per parameter, bound once
     for k, wd in enumerate(a["weight_decay"]):
         p, grad, m, v = ins[3 + 4 * k: 7 + 4 * k]
-        if p.dtype != np.float32 or not _native(p, grad, m, v) or not (p.shape == grad.shape == m.shape == v.shape):
+        if not _native(p, grad, m, v) or not (p.shape == grad.shape == m.shape == v.shape):
             return None
-        params.append((p, grad, m, v, wd))
-    fn = library().gl_adamw
-    f32 = lambda x: float(np.float32(x))
-    consts = {}   # weight decay -> this run's float32 constants, read by the pieces
+        params.append(((_ptr(p), _ptr(grad), _ptr(m), _ptr(v)), p.size, wd))
+    fn, eps = library().gl_adamw, f32(a["eps"])
+    consts = {}   # weight decay -> this run's constants, read by the pieces
 
     def update(part):
-        for p, grad, m, v, wd in part:
+        for pointers, size, wd in part:
             coef, decay, step_size, bc2 = consts[wd]
-            fn(_ptr(p), _ptr(grad), _ptr(m), _ptr(v), p.size, coef, 1 if wd else 0, decay,
-               f32(b1), f32(1.0 - b1), f32(b2), f32(1.0 - b2), bc2, f32(eps), step_size)
+            fn(*pointers, size, coef, 1 if wd else 0, decay, *moments, bc2, eps, step_size)
 
     groups: dict[int, list] = {}
 
     def run():
-        t = int(step_a)
-        if t < 1:
-            raise ExecutionError(f"{node_where(node)}: the step count must be >= 1, got {t}")
-        lr = float(lr_a)
-        for wd in set(a["weight_decay"]):   # the numpy kernel's float32 constants
-            consts[wd] = (f32(coef_a), f32(1.0 - lr * wd), f32(lr / (1.0 - b1 ** t)), f32(math.sqrt(1.0 - b2 ** t)))
+        lr, step_size, bc2_sqrt = npx.adamw_schedule(node, lr_a, step_a)
+        coef, step_size, bc2_sqrt = f32(coef_a), f32(step_size), f32(bc2_sqrt)
+        for wd in set(a["weight_decay"]):
+            consts[wd] = (coef, f32(1.0 - lr * wd), step_size, bc2_sqrt)
         n = _workers["threads"]
         if n == 1 or len(params) < 2:
             update(params)
         else:
             if n not in groups:
-                groups[n] = [params[lo:hi] for lo, hi in npx._size_groups([pc[0].size for pc in params], n)]
+                groups[n] = [params[lo:hi] for lo, hi in npx._size_groups([size for _, size, _ in params], n)]
             _parallel([functools.partial(update, part) for part in groups[n]])
         out[...] = 0.0
+    run.arrays = ins   # (the raw pointers above point into these)
     return run
 
 
@@ -485,6 +485,13 @@ class NativeProgram(NumpyProgram):
 
     def rounds_own_way(self, node) -> bool:
         return super().rounds_own_way(node) or (node.op in NATIVE_ROUNDING and node.dtype == np.float32)
+
+    def native_ops(self, state=None) -> set[str]:
+        """The ops whose kernels run in C in this program (the others run the numpy kernels);
+        binds the program to `state` first if it has not run yet."""
+        if self._bound is None:
+            self._bind(self.check_state(state))
+        return {n.op for n, step in zip(self._step_nodes, self._steps) if getattr(step, "native", False)}
 
 
 class NativeExecutor:

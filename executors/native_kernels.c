@@ -165,15 +165,13 @@ void gl_layer_norm_backward(const float *xc, const float *sv, const float *g, co
     for (int64_t r = 0; r < rows; r++) {
         const float *cr = xc + r * cols, *gr = g + r * cols;
         float *o = out + r * cols;
-        float mean = 0.0f, rr;
+        float rr;
         if (sv) {
             rr = 1.0f / sv[r];
         } else {
-            mean = row_sum(cr, cols) / (float)cols;
-            float ss = 0.0f;
+            float mean = row_sum(cr, cols) / (float)cols;
             for (int64_t i = 0; i < cols; i++) o[i] = cr[i] - mean;   /* o holds xc meanwhile */
-            ss = row_dot(o, o, cols);
-            rr = 1.0f / sqrtf(ss / (float)cols + eps);
+            rr = 1.0f / sqrtf(row_dot(o, o, cols) / (float)cols + eps);
             cr = o;
         }
         float acc1[LANES] = {0}, acc2[LANES] = {0};

@@ -1748,6 +1748,12 @@ def share_dropout_masks(nodes):
 _MASK_CHUNK = 1 << 15   # elements per pass when drawing a mask (uint64 temporaries stay in cache)
 
 
+def keep_threshold(p: float) -> int:
+    """The 64-bit threshold of the keep test: mix64(...) >= this  <=>  the uniform >= float32(p)
+    (see keep_mask_drawer)."""
+    return math.ceil(float(np.float32(p)) * 2 ** 24) << 40
+
+
 def keep_mask_drawer(shape, stream: int, p: float):
     """A function ``draw(key, mask)`` filling the boolean `mask` (of `shape`) with exactly
     ``graphlm.random.counter_uniform(key, stream, shape) >= float32(p)``, in cache-sized chunks
@@ -1762,7 +1768,7 @@ def keep_mask_drawer(shape, stream: int, p: float):
     c = min(n, _MASK_CHUNK)
     with np.errstate(over="ignore"):
         steps = np.arange(1, c + 1, dtype=np.uint64) * np.uint64(GOLDEN)
-    threshold = np.uint64(math.ceil(float(np.float32(p)) * 2 ** 24) << 40)
+    threshold = np.uint64(keep_threshold(p))
     m1, m2 = np.uint64(MIX1), np.uint64(MIX2)
     s30, s27 = np.uint64(30), np.uint64(27)
 
@@ -2081,6 +2087,16 @@ def _global_norm(node, out, ins, scratch):
 _ADAMW_CHUNK = 1 << 15
 
 
+def adamw_schedule(node, lr_a, step_a) -> tuple[float, float, float]:
+    """This run's (lr, lr / (1 - beta1^t), sqrt(1 - beta2^t)) of an adamw_update node, from its
+    learning-rate and step-count inputs; a step count below 1 is an error naming the node."""
+    t = int(step_a)
+    if t < 1:
+        raise ExecutionError(f"{node_where(node)}: the step count must be >= 1, got {t}")
+    lr, a = float(lr_a), node.attrs
+    return lr, lr / (1.0 - a["beta1"] ** t), math.sqrt(1.0 - a["beta2"] ** t)
+
+
 def _adamw_scratch(node, pos):
     n = min(max(t.size for t in node.inputs[3::4]), _ADAMW_CHUNK)
     return [((n,), node.inputs[3].dtype), ((n,), node.inputs[3].dtype)]
@@ -2142,12 +2158,7 @@ def _adamw_update(node, out, ins, scratch):
             p -= g
 
     def run():
-        t = int(step_a)
-        if t < 1:
-            raise ExecutionError(f"{node_where(node)}: the step count must be >= 1, got {t}")
-        lr = float(lr_a)
-        step_size = lr / (1.0 - b1 ** t)
-        bc2_sqrt = math.sqrt(1.0 - b2 ** t)
+        lr, step_size, bc2_sqrt = adamw_schedule(node, lr_a, step_a)
         consts = {}
         for dts, wd in keys:
             dt = np.dtype(dts)
