@@ -25,7 +25,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import executors  # noqa: E402,F401  (registers the executors)
+from graphlm import executors  # noqa: E402,F401  (registers the executors)
 from graphlm.backends import get_executor  # noqa: E402
 from graphlm.ir import Graph  # noqa: E402
 from graphlm.models import GPT, GPTConfig  # noqa: E402
@@ -143,7 +143,7 @@ def main(argv=None) -> int:
     EXECUTOR = args.executor
 
     import torch
-    from executors import numpy_executor
+    from graphlm.executors import numpy_executor
     numpy_executor.set_threads(args.threads)
     torch.set_num_threads(args.threads)
 

@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-import executors
+from graphlm import executors
 import graphlm as gl
 from graphlm.models import GPT, GPTConfig
 

@@ -49,14 +49,14 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import executors  # noqa: E402
-from executors import numpy_executor  # noqa: E402
+from graphlm import executors  # noqa: E402
+from graphlm.executors import numpy_executor  # noqa: E402
 import graphlm as gl  # noqa: E402
 from graphlm.models import GPT, GPTConfig  # noqa: E402
 from graphlm.nn import DROPOUT_KEY  # noqa: E402
 from graphlm.optim import AdamW  # noqa: E402
 from graphlm.random import dropout_keep_scale  # noqa: E402
-from tools.params import flops_per_token  # noqa: E402
+from graphlm.tools.params import flops_per_token  # noqa: E402
 
 LR, WEIGHT_DECAY, CLIP = 1e-3, 0.01, 1.0
 LOSS_TOLERANCE = 1e-4

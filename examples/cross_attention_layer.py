@@ -16,7 +16,7 @@ import sys
 
 import numpy as np
 
-import executors
+from graphlm import executors
 import graphlm as gl
 from graphlm.nn import TransformerDecoderLayer
 
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     print(f"causal self-attention (earlier positions unchanged by the last): {causal}")
     print(f"cross-attention (every position reads the encoder output): {crossed}")
     if args.svg:
-        from tools.render import render
+        from graphlm.tools.render import render
         print(f"wrote {render(g, args.svg)}")
     ok = layer.parameter_count() == 1112 and row_mean < 1e-5 and row_std < 1e-2 and causal and crossed
     return 0 if ok else 1

@@ -14,7 +14,7 @@ import sys
 
 import numpy as np
 
-import executors
+from graphlm import executors
 import graphlm as gl
 
 

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-import executors
+from graphlm import executors
 import graphlm as gl
 from graphlm.data import BatchSampler, load_corpus
 from graphlm.models import GPT, GPTConfig

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import graphlm as gl
 from graphlm.models import GPT, GPTConfig
-from tools.render import GraphvizNotFound, render
-from tools.stats import graph_stats
+from graphlm.tools.render import GraphvizNotFound, render
+from graphlm.tools.stats import graph_stats
 
 
 def main(argv=None) -> int:

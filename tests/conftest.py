@@ -28,8 +28,8 @@ def torch():
 def native():
     import os
 
-    import executors
-    from executors import native as native_module
+    from graphlm import executors
+    from graphlm.executors import native as native_module
     try:
         native_module.library()
     except native_module.NativeUnavailable as e:
@@ -51,7 +51,7 @@ def run_graph():
 
 @pytest.fixture(autouse=True)
 def _one_executor_thread():
-    from executors import numpy_executor
+    from graphlm.executors import numpy_executor
     if numpy_executor.get_threads() != 1:
         numpy_executor.set_threads(1)
     yield

@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-import executors
+from graphlm import executors
 import graphlm as gl
 
 EPS = 1e-4

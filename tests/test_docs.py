@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from graphlm.registry import REGISTRY
-from tools import opsdoc
+from graphlm.tools import opsdoc
 
 OPS_MD = Path(__file__).resolve().parents[1] / "docs" / "ops.md"
 
@@ -12,7 +12,7 @@ OPS_MD = Path(__file__).resolve().parents[1] / "docs" / "ops.md"
 def test_ops_md_is_up_to_date_with_the_registry_and_kernel_tables():
     expected = opsdoc.render()
     actual = OPS_MD.read_text() if OPS_MD.exists() else ""
-    assert actual == expected, "docs/ops.md is out of date: run `python -m tools.opsdoc > docs/ops.md`"
+    assert actual == expected, "docs/ops.md is out of date: run `python -m graphlm.tools.opsdoc > docs/ops.md`"
 
 
 def test_every_op_has_a_row_with_its_rules_and_executors():

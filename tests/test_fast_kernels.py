@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import executors
+from graphlm import executors
 import graphlm as gl
-from executors import numpy_executor
+from graphlm.executors import numpy_executor
 from graphlm.random import counter_uniform
 from tests.gradcheck import assert_close
 

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-import executors  # noqa: F401  (registers the reference executor)
+from graphlm import executors  # noqa: F401  (registers the reference executor)
 import graphlm as gl
 from graphlm.models import GPT, GPTConfig
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import executors  # noqa: F401
+from graphlm import executors  # noqa: F401
 from graphlm.models import GPT, GPTConfig
 
 EX = "reference"

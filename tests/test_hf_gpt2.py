@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-import executors  # noqa: F401
+from graphlm import executors  # noqa: F401
 from graphlm.io import load_hf_gpt2
 from graphlm.models import GPT
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import executors
+from graphlm import executors
 import graphlm as gl
-from executors.reference import KERNELS, ReferenceProgram
+from graphlm.executors.reference import KERNELS, ReferenceProgram
 from graphlm.ir import GraphError, ShapeError
 from tests.gradcheck import run
 

@@ -15,9 +15,9 @@ import ctypes
 import numpy as np
 import pytest
 
-import executors
+from graphlm import executors
 import graphlm as gl
-from executors import native, numpy_executor
+from graphlm.executors import native, numpy_executor
 from tests.gradcheck import assert_close, feeds_of
 from tests.test_fast_kernels import train_steps
 from tests.test_numpy_executor import _peak_allocation, compare, gpt_step, graph_with_grads, random_dag
@@ -367,7 +367,7 @@ def test_a_damaged_cached_library_is_built_again(tmp_path):
     import subprocess
     import sys
     env = dict(os.environ, GRAPHLM_CACHE_DIR=str(tmp_path))
-    script = ("import numpy as np; from executors import native; lib = native.library(); "
+    script = ("import numpy as np; from graphlm.executors import native; lib = native.library(); "
               "x = np.zeros(2, np.float32); y = np.empty_like(x); "
               "lib.gl_exp(x.ctypes.data, y.ctypes.data, 2); print(y.tolist())")
     run = lambda: subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)

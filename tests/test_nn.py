@@ -7,7 +7,7 @@ import zlib
 import numpy as np
 import pytest
 
-import executors
+from graphlm import executors
 import graphlm as gl
 from graphlm import init, nn
 from graphlm.random import SplitMix64

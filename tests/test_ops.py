@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from scipy import special
 
-import executors
+from graphlm import executors
 import graphlm as gl
 from graphlm.ops import normalize_index
 from graphlm.random import dropout_keep_scale

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import executors
+from graphlm import executors
 import graphlm as gl
 from graphlm.ir import ShapeError
 from graphlm.random import counter_uniform

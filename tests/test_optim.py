@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import graphlm as gl
-import executors
+from graphlm import executors
 from graphlm import optim
 from graphlm.ir import ShapeError
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import executors
+from graphlm import executors
 import graphlm as gl
-from executors.planner import ALIGN, Block, _lower_bound, _place, aligned
+from graphlm.executors.planner import ALIGN, Block, _lower_bound, _place, aligned
 
 NUMPY = executors.get("numpy")
 

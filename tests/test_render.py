@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import graphlm as gl
-from tools import render as R
-from tools.stats import module_levels, node_kind
+from graphlm.tools import render as R
+from graphlm.tools.stats import module_levels, node_kind
 
 HAVE_DOT = shutil.which("dot") is not None
 needs_dot = pytest.mark.skipif(not HAVE_DOT, reason="Graphviz dot is not installed")
@@ -220,7 +220,7 @@ def test_optimizer_fan_in_is_summarised():
 
 # -- the memory plan ---------------------------------------------------------------------------------------
 def test_plan_annotations_match_the_numpy_plan():
-    executors = pytest.importorskip("executors")
+    executors = pytest.importorskip("graphlm.executors")
     if "numpy" not in executors.available_executors():
         pytest.skip("numpy executor not available")
     g, loss, grads = nested_graph()

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import graphlm as gl
-import executors
+from graphlm import executors
 from graphlm.models import GPT, GPTConfig
 from graphlm.random import SplitMix64
 from graphlm.sample import Generator, choose_token, generate_full_recompute

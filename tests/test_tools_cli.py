@@ -16,8 +16,8 @@ import pytest
 
 import graphlm as gl
 from graphlm.models import GPT, GPTConfig
-from tools import cli
-from tools.params import flops_per_token, matmul_flops, parameter_table
+from graphlm.tools import cli
+from graphlm.tools.params import flops_per_token, matmul_flops, parameter_table
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = '{"preset": "tinylm", "layer_count": 1, "context_length": 16}'
@@ -128,7 +128,7 @@ def test_stats_counts_agree_with_the_graph(capsys):
 
 # -- plan --------------------------------------------------------------------------------------------------
 def test_plan_report_and_pictures(capsys, tmp_path):
-    import executors
+    from graphlm import executors
 
     code, out, _ = run(capsys, "plan", "--config", SMALL, "--batch-size", "2", "--out",
                        str(tmp_path / "arena.svg"))
@@ -175,7 +175,7 @@ def test_render_command_writes_svg_with_one_cluster_per_module_at_the_depth(caps
 
 
 def test_render_without_graphviz_writes_dot_and_exits_3(capsys, tmp_path, monkeypatch):
-    from tools import render
+    from graphlm.tools import render
 
     monkeypatch.setattr(render.shutil, "which", lambda name: None)
     code, out, err = run(capsys, "render", "--config", SMALL, "--out", str(tmp_path / "g.svg"))
@@ -187,7 +187,7 @@ def test_render_without_graphviz_writes_dot_and_exits_3(capsys, tmp_path, monkey
 
 def test_missing_dot_through_the_console_entry_with_an_empty_path(tmp_path):
     env = dict(os.environ, PATH=str(tmp_path))     # nothing on PATH: no dot
-    proc = subprocess.run([sys.executable, "-m", "tools.cli", "render", "--config", SMALL,
+    proc = subprocess.run([sys.executable, "-m", "graphlm", "render", "--config", SMALL,
                            "--out", str(tmp_path / "g.png")], capture_output=True, text=True,
                           cwd=ROOT, env=env, timeout=120)
     assert proc.returncode == cli.EXIT_NO_GRAPHVIZ

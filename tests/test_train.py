@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import executors  # registers the executors
+from graphlm import executors  # registers the executors
 from graphlm.data import BUNDLED_CORPUS
 from graphlm.io.checkpoint import read_checkpoint
 from graphlm.train import Trainer, TrainOptions, dropout_key
-from tools.cli import main as cli_main
+from graphlm.tools.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_MODEL = {"context_length": 16, "channels": 16, "head_count": 2, "layer_count": 1, "dropout": 0.1}
@@ -159,7 +159,7 @@ def test_cli_errors_are_clean(tmp_path, small_text, capsys):
 
 def test_ctrl_c_saves_and_exits_cleanly(tmp_path, small_text):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "tools.cli", "train", *TINY_FLAGS, "--data", small_text,
+    cmd = [sys.executable, "-m", "graphlm", "train", *TINY_FLAGS, "--data", small_text,
            "--steps", "100000", "--eval-every", "100000", "--log-every", "1", "--out", str(out)]
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)

@@ -1,4 +1,4 @@
-"""``python -m tools ...`` is the `graphlm` command."""
+"""``python -m graphlm.tools ...`` is the `graphlm` command, as ``python -m graphlm`` is."""
 import sys
 
 from .cli import main

@@ -235,7 +235,7 @@ def _config_line(config) -> str:
 
 
 def _compile_numpy(graph, outputs):
-    import executors
+    from graphlm import executors
 
     if "numpy" not in executors.available_executors():
         raise CLIError("the numpy executor is not available, so there is no memory plan "
@@ -287,9 +287,9 @@ def cmd_stats(args) -> int:
 def _delegated(module: str, what: str):
     """Subcommand defined by another module (add_arguments, run); None when it is absent."""
     try:
-        mod = importlib.import_module(f"tools.{module}")
+        mod = importlib.import_module(f"graphlm.tools.{module}")
     except ModuleNotFoundError as e:
-        if e.name in (f"tools.{module}",):
+        if e.name in (f"graphlm.tools.{module}",):
             return None
         raise
     if not (hasattr(mod, "add_arguments") and hasattr(mod, "run")):
@@ -297,11 +297,17 @@ def _delegated(module: str, what: str):
     return mod
 
 
+def _version() -> str:
+    from graphlm import __version__
+    return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="graphlm", description="graphlm: draw, count, plan, train and sample GPT-style "
         "models built as static graphs.",
         epilog="Run 'graphlm COMMAND --help' for a command's options.")
+    parser.add_argument("--version", action="version", version=f"graphlm {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 

@@ -1,6 +1,6 @@
 """Parameter counts by module, and the analytic FLOPs of a GPT per token.
 
-    from tools.params import parameter_table, flops_per_token
+    from graphlm.tools.params import parameter_table, flops_per_token
     table = parameter_table(graph)        # any graph: its params, grouped by module path
     print(table.format(depth=2))          # a tree: name, shape, parameters, share, bytes
     flops_per_token(config)               # {"forward": ..., "train_step": ...}

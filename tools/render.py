@@ -1,6 +1,6 @@
 """Draw a graphlm `Graph` with Graphviz: DOT text, then SVG, PNG or the DOT file itself.
 
-    from tools.render import to_dot, render
+    from graphlm.tools.render import to_dot, render
     render(graph, "decoder.svg", depth=1)           # one box per block's sub-module
     render(graph, "block1.png", scope="blocks.1")   # only that module, at full depth
     text = to_dot(graph, plan=program.plan)          # arena offsets, in-place nodes, views

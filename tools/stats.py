@@ -1,6 +1,6 @@
 """Graph statistics: what a graph is made of, counted from its nodes and its networkx export.
 
-    from tools.stats import graph_stats, format_stats
+    from graphlm.tools.stats import graph_stats, format_stats
     print(format_stats(graph_stats(g)))
 
 The helpers that classify nodes (`node_kind`) and split scopes into module levels

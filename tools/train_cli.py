@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from executors import numpy_executor
+from graphlm.executors import numpy_executor
 from graphlm.train import CHECKPOINT_NAME, Trainer, TrainOptions, resume_options
 
 # command-line flag -> TrainOptions field (model fields go to TrainOptions.model)
