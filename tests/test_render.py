@@ -40,14 +40,15 @@ def nested_graph():
 
 
 def node_statements(dot: str) -> dict[str, str]:
-    """DOT node id -> its attribute text, for statements like ``  n12 [label=...];``."""
-    return {m.group(1): m.group(2) for m in re.finditer(r"^\s*([A-Za-z_][\w]*) \[(.*)\];$", dot, re.M)
+    """DOT node id -> its attribute text, for statements like ``\tn12 [label=...]``."""
+    return {m.group(1): m.group(2) for m in re.finditer(r"^\s*([A-Za-z_]\w*) \[(.*)\]$", dot, re.M)
             if m.group(1) not in ("graph", "node", "edge")}
 
 
 def attr(stmt: str, key: str) -> str:
-    m = re.search(rf'(?:^|, ){key}="((?:[^"\\]|\\.)*)"', stmt)
-    return m.group(1) if m else None
+    """One attribute's value (quoted or bare) from a statement's attribute text."""
+    m = re.search(rf'(?:^|\s){key}=(?:"((?:[^"\\]|\\.)*)"|([^\s"<]+))', stmt)
+    return None if m is None else (m.group(1) if m.group(1) is not None else m.group(2))
 
 
 # -- ids and escaping ---------------------------------------------------------------------------------
@@ -70,8 +71,8 @@ def test_dot_ids_are_plain_even_when_names_have_colons_and_dots():
     for a, b in re.findall(r"^\s*(\S+) -> (\S+?)[ ;]", dot, re.M):
         assert re.fullmatch(r"n\d+", a) and re.fullmatch(r"n\d+", b), (a, b)
     # the names are in quoted labels, escaped
-    assert 'input enc:tokens.0' in dot
-    assert 'param layer:1.w:q' in dot
+    assert 'n0 input enc:tokens.0' in dot
+    assert 'n1 param layer:1.w:q' in dot
     assert 'cache\\"\\\\x\\nline' in dot      # quote, backslash, newline escaped
 
 
@@ -90,13 +91,13 @@ def test_graphviz_attaches_each_edge_to_the_right_named_node():
             if not (s.op == "const" and s.shape == ())}
     assert got == want
     labels = {o["name"]: o["label"] for o in laid["objects"] if "label" in o and o["name"].startswith("n")}
-    assert labels["n0"].startswith("input enc:tokens.0")
-    assert labels["n1"].startswith("param layer:1.w:q")
+    assert labels["n0"].startswith("n0 input enc:tokens.0")
+    assert labels["n1"].startswith("n1 param layer:1.w:q")
     # Graphviz keeps label escapes (\\ and \n) until drawing; the drawn SVG has the name itself
     proc = subprocess.run(["dot", "-Tsvg"], input=R.to_dot(g).encode(), capture_output=True,
                           check=True, timeout=60)
     texts = [t.text for t in ET.fromstring(proc.stdout).iter(f"{SVG}text")]
-    assert 'state cache"\\x' in texts and "line" in texts
+    assert 'n4 state cache"\\x' in texts and "line" in texts
 
 
 # -- labels and colours --------------------------------------------------------------------------------
@@ -126,7 +127,7 @@ def test_labels_say_op_shape_dtype_and_names_and_colours_follow_the_kind():
         kind = node_kind(n)
         kinds_seen.add(kind)
         label = attr(stmts[sid], "label")
-        assert label.startswith(n.op), (label, n)
+        assert label.startswith(f"n{n.id} {n.op}"), (label, n)     # the id --plan refers to
         assert f"{R.fmt_shape(n.shape)} {R.short_dtype(n.dtype)}" in label
         if n.name:
             assert n.name in label
@@ -141,7 +142,7 @@ def test_labels_say_op_shape_dtype_and_names_and_colours_follow_the_kind():
 
 # -- clusters and depth ----------------------------------------------------------------------------------
 def clusters(dot: str) -> list[str]:
-    return re.findall(r'subgraph (cluster_\d+) \{\s*graph \[label="([^"]*)"', dot)
+    return re.findall(r'subgraph (cluster_\d+) \{\n[^\n]*\blabel="([^"]*)"', dot)
 
 
 def test_full_depth_draws_every_module_as_nested_clusters():
@@ -237,7 +238,7 @@ def test_plan_annotations_match_the_numpy_plan():
         if e.kind == "arena":
             assert f"arena @{e.offset:,}" in label
         elif e.kind == "inplace":
-            assert f"in place of n{e.base} @{e.offset:,}" in label and 'peripheries="2"' in stmt
+            assert f"in place of n{e.base} @{e.offset:,}" in label and attr(stmt, "peripheries") == "2"
         elif e.kind == "view":
             assert f"view of n{e.base}" in label and "dashed" in attr(stmt, "style")
 
@@ -282,20 +283,32 @@ def test_bad_output_paths_fail_before_any_work(tmp_path):
 @needs_dot
 def test_dot_failure_is_a_clear_error_and_leaves_no_partial_file(tmp_path, monkeypatch):
     g, _, _ = nested_graph()
-    monkeypatch.setattr(R, "to_dot", lambda *a, **k: "digraph { this is not dot ;; }")
+    real_draw = R.draw
+
+    def broken(*a, **k):
+        drawing = real_draw(*a, **k)
+        drawing.source = "digraph { this is not dot ;; }"
+        return drawing
+
+    monkeypatch.setattr(R, "draw", broken)
     with pytest.raises(R.RenderError, match="Graphviz 'dot' failed"):
         R.render(g, tmp_path / "g.svg")
     assert not (tmp_path / "g.svg").exists()
 
 
-@needs_dot
-def test_tinylm_forward_at_depth_1_has_one_cluster_per_top_level_module(tmp_path):
+def tinylm_forward():
     from graphlm.models import GPT, GPTConfig
 
     model = GPT(GPTConfig.preset("tinylm")).eval()
     g = gl.Graph("tinylm")
     model(g.input("tokens", (1, 128), "int64"))
-    svg = R.render(g, tmp_path / "tinylm.svg", depth=1)
+    return g
+
+
+@needs_dot
+def test_tinylm_forward_at_depth_1_has_one_cluster_per_top_level_module(tmp_path):
+    g = tinylm_forward()
+    svg = R.render(g, tmp_path / "tinylm.svg", depth=1, fold=False)
     root = ET.parse(svg).getroot()
     names = sorted(next(c.iter(f"{SVG}text")).text for c in root.iter(f"{SVG}g")
                    if c.get("class") == "cluster")
@@ -305,3 +318,63 @@ def test_tinylm_forward_at_depth_1_has_one_cluster_per_top_level_module(tmp_path
                             "blocks.2", "blocks.3", "final_norm", "language_model_head"])
     texts = " ".join(t.text or "" for t in root.iter(f"{SVG}text"))
     assert "148,224 parameters" in texts       # each block's attention box
+    # folded (the default): the four identical blocks are one cluster, the rest unchanged
+    svg = R.render(g, tmp_path / "folded.svg", depth=1)
+    root = ET.parse(svg).getroot()
+    folded = sorted(next(c.iter(f"{SVG}text")).text for c in root.iter(f"{SVG}g")
+                    if c.get("class") == "cluster")
+    assert folded == sorted(["token_embedding", "positional_embedding", "final_norm",
+                             "language_model_head", "blocks.0-3 x4 (one drawn; counts per block)"])
+
+
+# -- folding, counts, readability ----------------------------------------------------------------------
+def test_folding_draws_identical_blocks_once_and_keeps_the_edges_in_and_out():
+    g = tinylm_forward()
+    whole, folded = R.draw(g, fold=False), R.draw(g)
+    assert [r.label for r in folded.folded] == ["blocks.0-3 x4"]
+    drawn = {k for k in node_statements(folded.source) if re.fullmatch(r"n\d+", k)}
+    assert drawn and all(not g.nodes[int(k[1:])].scope.startswith(("blocks.1", "blocks.2", "blocks.3"))
+                         for k in drawn)
+    assert any(g.nodes[int(k[1:])].scope.startswith("blocks.0") for k in drawn)
+    # what came out of blocks.3 (into the final norm) now comes out of blocks.0's twin
+    norm = next(n for n in g.nodes if n.scope == "final_norm" and n.op == "layer_norm")
+    src = norm.inputs[0]
+    assert src.scope.startswith("blocks.3")
+    twin = folded.folded[0].node_map[src.id]
+    assert re.search(rf"^\s*n{twin} -> n{norm.id}\b", folded.source, re.M)
+    # no edge from a block to itself: block i feeding block i+1 is what the fold stands for
+    assert folded.items < whole.items / 2
+    for a, b in re.findall(r"^\s*n(\d+) -> n(\d+)", folded.source, re.M):
+        assert int(a) < int(b) or g.nodes[int(a)].op == "param", (a, b)
+    # counts: every node of the graph is counted, the boxes are what is drawn
+    assert folded.nodes == whole.nodes == len(g.nodes)
+    assert f"{len(g.nodes)} nodes drawn as {folded.items} boxes" in folded.source
+    assert folded.items == len([k for k in node_statements(folded.source) if k != "legend"])
+
+
+def test_different_blocks_do_not_fold():
+    g, _, _ = nested_graph()       # the last block's backward differs (no residual cotangent sum)
+    assert R.draw(g).folded == []
+    from graphlm.tools.folding import graph_repeats
+    g2 = gl.Graph("two")
+    h = g2.input("x", (2, 3))
+    for i, width in enumerate((3, 3, 4)):
+        with g2.scope(f"layers.{i}"):
+            h = gl.tanh(h @ g2.param(f"layers.{i}.w", (h.shape[-1], width)))
+    assert [r.label for r in graph_repeats(g2)] == ["layers.0-1 x2"]
+
+
+def test_big_pictures_warn_and_auto_depth_stays_readable():
+    from graphlm.models import GPT, GPTConfig
+
+    model = GPT(GPTConfig.preset("tinylm"))
+    g = gl.Graph("tinylm_train")
+    tokens = g.input("tokens", (1, 128), "int64")
+    loss = model.loss(tokens, g.input("targets", (1, 128), "int64"))
+    gl.grad(loss, list(g.params.values()))
+    full = R.draw(g, fold=False)
+    assert full.items > R.READABLE_ITEMS
+    assert "--depth" in full.warning and "--scope" in full.warning and ".html" in full.warning
+    auto = R.draw(g, depth="auto", fold=False)
+    assert auto.items <= R.READABLE_ITEMS and auto.warning is None
+    assert R.draw(g, depth=auto.depth + 1, fold=False).items > R.READABLE_ITEMS

@@ -29,11 +29,15 @@ import shutil
 import subprocess
 import tempfile
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import graphviz
+
 from graphlm.ir import Graph, Tensor, fmt_shape
 
+from .folding import Repeat, graph_repeats, is_scalar_const
 from .stats import KINDS, all_scopes, home_scope, module_levels, node_kind
 
 FORMATS = ("svg", "png", "dot", "pdf")
@@ -68,6 +72,10 @@ FAST_LAYOUT = {"splines": "line", "nslimit": "0.05", "mclimit": "0.1", "searchsi
 FAST_LAYOUT_ABOVE = 400
 # an update node with more param/state inputs than this gets them as one summary node per kind
 FANIN_GROUP_ABOVE = 8
+# gradient edges into the optimizer, bundled at their head
+BUNDLE_COLOUR = "#8cc98a"
+# more boxes than this do not read at screen size: warn, and depth="auto" stays below it
+READABLE_ITEMS = 300
 
 
 class RenderError(RuntimeError):
@@ -101,8 +109,7 @@ def fmt_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def _is_folded_const(node: Tensor) -> bool:
-    return node.op == "const" and node.shape == ()
+_is_folded_const = is_scalar_const
 
 
 def _const_text(node: Tensor) -> str:
@@ -145,11 +152,11 @@ def node_label(node: Tensor, folded: list[Tensor], plan=None) -> tuple[str, dict
     """The label text of one node and any style overrides (plan markings)."""
     kind = node_kind(node)
     if node.is_leaf and node.name:
-        head = f"{node.op} {node.name}"
+        head = f"n{node.id} {node.op} {node.name}"
     elif node.is_leaf:
-        head = node.op
+        head = f"n{node.id} {node.op}"
     else:
-        head = node.op
+        head = f"n{node.id} {node.op}"
         attrs = _attr_text(node)
         if attrs:
             head += f"  ({attrs})"
@@ -187,26 +194,93 @@ def node_label(node: Tensor, folded: list[Tensor], plan=None) -> tuple[str, dict
 
 
 class _Cluster:
-    __slots__ = ("path", "children", "items")
+    __slots__ = ("path", "label", "children", "items")
 
     def __init__(self, path: str):
         self.path = path
+        self.label = path
         self.children: dict[str, _Cluster] = {}
         self.items: list[str] = []
 
 
-def to_dot(graph: Graph, depth: int | None = None, scope: str | None = None, plan=None,
-           title: str | None = None, legend: bool = True, fast: bool | None = None) -> str:
-    """The DOT text of `graph` (see the module docstring for what it shows).
+@dataclass
+class Drawing:
+    """What `draw` made: the DOT source and what it shows.
 
-    depth: module levels drawn as clusters (None: all, nothing collapsed); scope: a module path
-    (``blocks.1``) to draw alone; plan: a NumPy executor plan (``program.plan``) to annotate
-    with; fast: use the fast layout settings (default: when more than 400 items are drawn).
+    items: the boxes drawn (nodes, module boxes, stubs, optimizer summaries); nodes: the graph
+    nodes they stand for (in the scope); drawn_nodes: graph nodes drawn as their own box;
+    folded: the repeated modules drawn once; depth: the depth drawn (``auto`` resolved);
+    warning: set when more items are drawn than a person can read.
+    """
+
+    source: str
+    items: int
+    nodes: int
+    drawn_nodes: int
+    folded: list[Repeat]
+    depth: int | None
+    warning: str | None = None
+    path: Path | None = None
+
+    def summary(self) -> str:
+        """``613 nodes drawn as 95 boxes (blocks.0-2 x3 folded)``: the figures of the title."""
+        text = f"{self.nodes:,} nodes drawn as {self.items:,} boxes"
+        if self.folded:
+            text += f" ({', '.join(r.label for r in self.folded)} folded)"
+        return text
+
+
+def readability_warning(items: int, scope: str | None, depth) -> str | None:
+    """The warning for a picture of more than `READABLE_ITEMS` boxes, with what to try instead."""
+    if items <= READABLE_ITEMS:
+        return None
+    tips = []
+    if depth is None or depth > 0:
+        tips.append(f"--depth {0 if depth in (None, 1) and scope else max(0, (depth or 2) - 1)}")
+    if not scope:
+        tips.append("--scope MODULE (e.g. blocks.0)")
+    tips.append("--out graph.html (the interactive page)")
+    return (f"{items:,} boxes drawn, more than a person can read at screen size "
+            f"(about {READABLE_ITEMS}); try {', or '.join(tips)}")
+
+
+def max_depth(graph: Graph, scope: str | None = None) -> int:
+    """The deepest module level below `scope` (0 when there are no modules below it)."""
+    base = len(module_levels(scope)) if scope else 0
+    return max((len(module_levels(s)) - base for s in all_scopes(graph)
+                if not scope or s == scope or s.startswith(scope + ".")), default=0)
+
+
+def to_dot(graph: Graph, depth: int | str | None = None, scope: str | None = None, plan=None,
+           title: str | None = None, legend: bool = True, fast: bool | None = None,
+           fold: bool = True) -> str:
+    """The DOT text of `graph` (see the module docstring for what it shows); `draw` also says
+    what was drawn."""
+    return draw(graph, depth=depth, scope=scope, plan=plan, title=title, legend=legend,
+                fast=fast, fold=fold).source
+
+
+def draw(graph: Graph, depth: int | str | None = None, scope: str | None = None, plan=None,
+         title: str | None = None, legend: bool = True, fast: bool | None = None,
+         fold: bool = True) -> Drawing:
+    """The picture of `graph` as a `Drawing` (DOT source and counts).
+
+    depth: module levels drawn as clusters (None: all, nothing collapsed; ``"auto"``: the
+    deepest that draws at most `READABLE_ITEMS` boxes); scope: a module path (``blocks.1``) to
+    draw alone; plan: a NumPy executor plan (``program.plan``) to annotate with; fast: use the
+    fast layout settings (default: when more than 400 items are drawn); fold: draw each run of
+    identical sibling modules once (``blocks.0-11 x12``).
     """
     if not isinstance(graph, Graph):
         raise RenderError(f"render: expected a graphlm.Graph, got {type(graph).__name__}")
+    if depth == "auto":
+        deepest = max_depth(graph, scope)
+        for d in range(deepest, -1, -1):
+            drawing = draw(graph, d, scope, plan, title, legend, fast, fold)
+            if drawing.items <= READABLE_ITEMS or d == 0:
+                return drawing
     if depth is not None and (not isinstance(depth, int) or isinstance(depth, bool) or depth < 0):
-        raise RenderError(f"render: depth must be a non-negative integer or None, got {depth!r}")
+        raise RenderError(f"render: depth must be a non-negative integer, 'auto' or None, got {depth!r}")
     scopes = all_scopes(graph)
     base_levels: list[str] = []
     if scope:
@@ -223,7 +297,20 @@ def to_dot(graph: Graph, depth: int | None = None, scope: str | None = None, pla
         return not scope or h == scope or h.startswith(scope + ".")
 
     in_scope = [n for n in graph.nodes if inside(n)]
-    shown = [n for n in in_scope if not _is_folded_const(n)]
+    # repeated sibling modules: every member but the first is drawn as the first one
+    repeats = [r for r in graph_repeats(graph) if fold and (not scope or r.member_of(scope) is None)]
+    repeats = [r for r in repeats if any(inside(graph.nodes[i]) for i in r.node_map)]
+    twin: dict[int, int] = {}
+    member_at: dict[int, tuple[int, str]] = {}     # node id -> (repeat index, member)
+    for k, r in enumerate(repeats):
+        twin.update(r.node_map)
+        for n in in_scope:
+            m = r.member_of(homes[n.id])
+            if m is not None and not _is_folded_const(n):
+                member_at[n.id] = (k, m)
+    fold_label = {r.first: r.label for r in repeats}
+
+    shown = [n for n in in_scope if not _is_folded_const(n) and n.id not in twin]
     # with a scope, the module itself is the outer cluster and depth counts from it
     root_levels = [scope] if scope else []
     rel_levels = {n.id: module_levels(homes[n.id])[len(base_levels):] for n in in_scope}
@@ -233,8 +320,9 @@ def to_dot(graph: Graph, depth: int | None = None, scope: str | None = None, pla
 
     # An optimizer update reads every parameter and both its moments: hundreds of edges from the
     # top of the picture to the bottom, which make dot slow and the picture a hairball. The
-    # param/state inputs of such a node are drawn as one summary node per kind, and states that
-    # nothing else reads are drawn only there.
+    # param/state inputs of such a node are drawn as one summary node per kind, states that
+    # nothing else reads are drawn only there, and the remaining edges into it (gradients) meet
+    # at one point of its border (samehead), a bundle rather than a fan.
     consumers: dict[int, set[int]] = defaultdict(set)
     for n in graph.nodes:
         for i in n.inputs:
@@ -267,11 +355,13 @@ def to_dot(graph: Graph, depth: int | None = None, scope: str | None = None, pla
         for path in levels:
             if path not in c.children:
                 c.children[path] = _Cluster(path)
+                if path in fold_label:
+                    c.children[path].label = f"{fold_label[path]} (one drawn; counts per block)"
             c = c.children[path]
         return c
 
     for n in in_scope:
-        if n.id in hidden:
+        if n.id in hidden or n.id in twin:
             continue
         levels = rel_levels[n.id]
         if collapsed(n):   # counted in its module's box (scalar constants too)
@@ -279,8 +369,9 @@ def to_dot(graph: Graph, depth: int | None = None, scope: str | None = None, pla
             box = boxes.get(path)
             if box is None:
                 parent = levels[depth - 1] if depth else (scope or "")
+                short = path[len(parent) + 1:] if parent else path
                 box = boxes[path] = {"id": f"m{len(boxes)}", "nodes": 0, "kinds": defaultdict(int),
-                                     "params": 0, "short": path[len(parent) + 1:] if parent else path}
+                                     "params": 0, "short": fold_label.get(path, short)}
                 cluster_for(root_levels + levels[:depth]).items.append(box["id"])
             box["nodes"] += 1
             box["kinds"][node_kind(n)] += 1
@@ -295,22 +386,31 @@ def to_dot(graph: Graph, depth: int | None = None, scope: str | None = None, pla
             cluster.items.append(rep[n.id])
             for kind in groups.get(n.id, {}):
                 cluster.items.append(f"g{n.id}_{kind}")
+    for nid, t in twin.items():
+        if t in rep:
+            rep[nid] = rep[t]
 
-    # edges between drawn items; scalar constants fold into their reader's label
+    # edges between drawn items; scalar constants fold into their reader's label; an edge
+    # between two members of one repeat (block i feeds block i+1) is left out: the folded
+    # cluster stands for the chain
     edges: dict[tuple[str, str], int] = {}
     folded: dict[int, list[Tensor]] = defaultdict(list)
     stubs: dict[int, Tensor] = {}
-    for n in shown:
+    readers = [n for n in in_scope if not _is_folded_const(n) and n.id not in hidden]
+    for n in readers:
         grouped = {i.id: kind for kind, ins in groups.get(n.id, {}).items() for i in ins}
         for src in n.inputs:
             if src.id in grouped:
                 edges[(f"g{n.id}_{grouped[src.id]}", rep[n.id])] = 1
                 continue
             if _is_folded_const(src):
-                if rep[n.id] == f"n{n.id}" and src not in folded[n.id]:
+                if n.id in shown_ids and rep[n.id] == f"n{n.id}" and src not in folded[n.id]:
                     folded[n.id].append(src)
                 continue
-            if src.id in shown_ids:
+            a_at, b_at = member_at.get(src.id), member_at.get(n.id)
+            if a_at and b_at and a_at[0] == b_at[0] and a_at[1] != b_at[1]:
+                continue
+            if src.id in rep:
                 a = rep[src.id]
             else:
                 stubs[src.id] = src
@@ -319,27 +419,27 @@ def to_dot(graph: Graph, depth: int | None = None, scope: str | None = None, pla
             if a != b:
                 edges[(a, b)] = edges.get((a, b), 0) + 1
 
-    drawn = len([r for r in rep.values() if r.startswith("n")]) + len(boxes) + len(stubs) \
-        + sum(len(g) for g in groups.values())
+    drawn_nodes = len([n for n in shown if rep.get(n.id) == f"n{n.id}"])
+    drawn = drawn_nodes + len(boxes) + len(stubs) + sum(len(g) for g in groups.values())
     if fast is None:
         fast = drawn > FAST_LAYOUT_ABOVE
+    drawing = Drawing("", drawn, len(in_scope), drawn_nodes, repeats, depth,
+                      readability_warning(drawn, scope, depth))
 
-    out: list[str] = [f"digraph {quote(graph.name)} {{"]
     gattrs = {"rankdir": "TB", "newrank": "true", "compound": "false", "fontname": "Helvetica",
               "fontsize": "12", "nodesep": "0.25", "ranksep": "0.35", "labeljust": "l",
               "outputorder": "edgesfirst"}
     if fast:
         gattrs.update(FAST_LAYOUT)
-    caption = title or _default_title(graph, depth, scope, plan, len(in_scope))
-    gattrs["label"] = caption
+    gattrs["label"] = _text(title or _default_title(graph, drawing, scope, plan))
     gattrs["labelloc"] = "t"
-    out.append("  graph [" + ", ".join(f"{k}={quote(v)}" for k, v in gattrs.items()) + "];")
-    out.append('  node [fontname="Helvetica", fontsize="10", style="filled", penwidth="1"];')
-    out.append('  edge [color="#777777", arrowsize="0.6", penwidth="0.8"];')
-
+    dg = graphviz.Digraph(graph.name, graph_attr=gattrs,
+                          node_attr={"fontname": "Helvetica", "fontsize": "10", "style": "filled",
+                                     "penwidth": "1"},
+                          edge_attr={"color": "#777777", "arrowsize": "0.6", "penwidth": "0.8"})
     node_by_id = {n.id: n for n in shown}
 
-    def emit_item(item: str, indent: str):
+    def emit_item(item: str, sub):
         if item.startswith("g"):
             nid, kind = item[1:].split("_", 1)
             ins = groups[int(nid)][kind]
@@ -349,8 +449,8 @@ def to_dot(graph: Graph, depth: int | None = None, scope: str | None = None, pla
             if n_hidden:
                 lines.append(f"({n_hidden} drawn only here)")
             fill, border, _ = STYLE[kind]
-            out.append(f"{indent}{item} [label={quote(chr(10).join(lines))}, shape=folder, "
-                       f"style=\"filled\", fillcolor={quote(fill)}, color={quote(border)}];")
+            sub.node(item, label=_text(_esc("\n".join(lines))), shape="folder", style="filled",
+                     fillcolor=fill, color=border)
             return
         if item.startswith("m"):
             path, box = next((p, b) for p, b in boxes.items() if b["id"] == item)
@@ -358,9 +458,8 @@ def to_dot(graph: Graph, depth: int | None = None, scope: str | None = None, pla
             lines = [box["short"], f"{box['nodes']:,} nodes: {kinds}",
                      f"{box['params']:,} parameters" if box["params"] else "no parameters"]
             fill, border, _ = STYLE["module"]
-            out.append(f"{indent}{item} [label={quote(chr(10).join(lines))}, shape=box, "
-                       f"style=\"filled,bold\", fillcolor={quote(fill)}, color={quote(border)}, "
-                       f"tooltip={quote(path)}];")
+            sub.node(item, label=_text(_esc("\n".join(lines))), shape="box",
+                     style="filled,bold", fillcolor=fill, color=border, tooltip=_text(_esc(path)))
             return
         n = node_by_id[int(item[1:])]
         kind = node_kind(n)
@@ -371,51 +470,76 @@ def to_dot(graph: Graph, depth: int | None = None, scope: str | None = None, pla
         attrs = {"label": label, "shape": shape, "style": style, "fillcolor": fill,
                  "color": border, "tooltip": f"n{n.id} {n!r}"}
         attrs.update(extra)
-        out.append(f"{indent}{item} [" + ", ".join(f"{k}={quote(v)}" for k, v in attrs.items()) + "];")
+        sub.node(item, **{k: _text(_esc(v)) for k, v in attrs.items()})
 
     counter = [0]
 
-    def emit_cluster(c: _Cluster, level: int, indent: str):
+    def emit_cluster(c: _Cluster, level: int, sub):
         for item in c.items:
-            emit_item(item, indent)
+            emit_item(item, sub)
         for path, child in sorted(c.children.items(), key=lambda kv: _natural_key(kv[0])):
             cid = f"cluster_{counter[0]}"
             counter[0] += 1
             fill = CLUSTER_FILLS[min(level, len(CLUSTER_FILLS) - 1)]
-            out.append(f"{indent}subgraph {cid} {{")
-            out.append(f"{indent}  graph [label={quote(path)}, tooltip={quote(path)}, "
-                       f"style=\"rounded,filled\", fillcolor={quote(fill)}, color=\"#9aa5b1\", "
-                       f"fontsize=\"11\"];")
-            emit_cluster(child, level + 1, indent + "  ")
-            out.append(f"{indent}}}")
+            with sub.subgraph(name=cid) as inner:
+                inner.attr(label=_text(_esc(child.label)), tooltip=_text(_esc(path)),
+                           style="rounded,filled", fillcolor=fill, color="#9aa5b1", fontsize="11")
+                emit_cluster(child, level + 1, inner)
 
-    emit_cluster(top_cluster, 0, "  ")
+    emit_cluster(top_cluster, 0, dg)
     for sid, src in sorted(stubs.items()):
         where = homes[src.id] or "<root>"
-        out.append(f"  x{sid} [label={quote(f'from {src.label}  ({where})' + chr(10) + fmt_shape(src.shape) + ' ' + short_dtype(src.dtype))}, "
-                   f"shape=box, style=\"dashed,filled\", fillcolor=\"#f4f4f4\", color=\"#aaaaaa\", "
-                   f"fontcolor=\"#555555\"];")
+        label = f"from n{src.id} {src.label}  ({where})\n{fmt_shape(src.shape)} {short_dtype(src.dtype)}"
+        dg.node(f"x{sid}", label=_text(_esc(label)), shape="box", style="dashed,filled",
+                fillcolor="#f4f4f4", color="#aaaaaa", fontcolor="#555555")
+    # edges into the optimizer's module (gradients into the norm and the update) from elsewhere
+    # meet at one point of the head (samehead: a bundle, not a fan) and are drawn light, so they
+    # stand out less than the model's own edges
+    opt_tops = {_top(homes[n.id]) for n in shown if node_kind(n) == "update"}
+    opt_items = {rep[n.id] for n in in_scope if n.id in rep and _top(homes[n.id]) in opt_tops}
+    item_top = {rep[n.id]: _top(homes[n.id]) for n in in_scope if n.id in rep}
     for (a, b), count in edges.items():
-        extra = f" [penwidth={quote(min(0.8 + 0.3 * (count - 1), 3.0))}]" if count > 1 else ""
-        out.append(f"  {a} -> {b}{extra};")
+        extra: dict[str, str] = {}
+        if count > 1:
+            extra["penwidth"] = f"{min(0.8 + 0.3 * (count - 1), 3.0):g}"
+            extra["tooltip"] = f"{count} edges"
+        if b in opt_items and not a.startswith("g") and item_top.get(a) not in opt_tops:
+            extra.update(samehead=f"in_{b}", color=BUNDLE_COLOUR)
+        dg.edge(a, b, **extra)
     if legend:
-        out.append(_legend(graph, [n for n in shown if rep[n.id] == f"n{n.id}"] +
-                           [i for g in groups.values() for ins in g.values() for i in ins],
-                           boxes, plan))
-    out.append("}")
-    return "\n".join(out) + "\n"
+        dg.node("legend", label=_legend(graph, [n for n in shown if rep[n.id] == f"n{n.id}"] +
+                                        [i for g in groups.values() for ins in g.values() for i in ins],
+                                        boxes, plan), shape="plaintext", style="")
+    drawing.source = dg.source
+    return drawing
+
+
+def _top(scope: str) -> str:
+    levels = module_levels(scope)
+    return levels[0] if levels else ""
+
+
+def _esc(text: Any) -> str:
+    """Backslashes of a name doubled and newlines as DOT's ``\\n`` escape; the graphviz
+    package then quotes the string (it passes backslash escapes through)."""
+    return str(text).replace("\\", "\\\\").replace("\r", "").replace("\n", "\\n")
+
+
+def _text(text: str):
+    """A plain-text attribute value (never read as an HTML-like label, even if it looks like one)."""
+    return graphviz.nohtml(text)
 
 
 def _natural_key(path: str):
     return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in path.split(".")]
 
 
-def _default_title(graph: Graph, depth, scope, plan, count) -> str:
-    parts = [f"{graph.name}: {count:,} nodes"]
+def _default_title(graph: Graph, drawing: Drawing, scope, plan) -> str:
+    parts = [f"{graph.name}: {drawing.summary()}"]
     if scope:
         parts.append(f"scope {scope}")
-    if depth is not None:
-        parts.append(f"depth {depth}")
+    if drawing.depth is not None:
+        parts.append(f"depth {drawing.depth}")
     if plan is not None:
         arena = getattr(plan, "arena_bytes", None)
         if arena is not None:
@@ -441,9 +565,8 @@ def _legend(graph: Graph, shown: list[Tensor], boxes: dict, plan) -> str:
                     'ran in place</TD></TR>')
         rows.append('<TR><TD BORDER="0">- -</TD><TD ALIGN="LEFT">dashed: view (shares memory)'
                     '</TD></TR>')
-    table = ('<<TABLE BORDER="1" COLOR="#9aa5b1" CELLBORDER="0" CELLSPACING="3" CELLPADDING="2">'
-             '<TR><TD COLSPAN="2"><B>legend</B></TD></TR>' + "".join(rows) + "</TABLE>>")
-    return f"  legend [shape=plaintext, style=\"\", label={table}];"
+    return ('<<TABLE BORDER="1" COLOR="#9aa5b1" CELLBORDER="0" CELLSPACING="3" CELLPADDING="2">'
+            '<TR><TD COLSPAN="2"><B>legend</B></TD></TR>' + "".join(rows) + "</TABLE>>")
 
 
 def _html(text: str) -> str:
@@ -497,40 +620,48 @@ def find_dot() -> str | None:
 
 
 def dot_to(dot_text: str, fmt: str, timeout: float | None = 120.0) -> bytes:
-    """Run Graphviz `dot` on DOT text; the rendered bytes. Raises GraphvizNotFound/RenderError."""
-    exe = find_dot()
-    if exe is None:
+    """Lay out and draw DOT text with Graphviz `dot`, through the graphviz package; the drawn
+    bytes. Raises GraphvizNotFound / RenderError (a failure, or longer than `timeout` s)."""
+    if find_dot() is None:
         raise GraphvizNotFound(f"Graphviz 'dot' was not found on PATH; {INSTALL_HINT}")
+    data = dot_text.encode()
     try:
-        proc = subprocess.run([exe, f"-T{fmt}"], input=dot_text.encode(), capture_output=True,
-                              timeout=timeout)
+        try:   # the package's runner, with a timeout (graphviz.pipe itself takes none)
+            from graphviz.backend import dot_command, execute
+            out = execute.run_check(dot_command.command("dot", fmt), input=data,
+                                    capture_output=True, quiet=True, timeout=timeout).stdout
+        except ImportError:      # pragma: no cover - another layout of the graphviz package
+            out = graphviz.pipe("dot", fmt, data, quiet=True)
     except subprocess.TimeoutExpired:
         raise RenderError(f"Graphviz 'dot' took longer than {timeout:g} s; draw less of the graph "
                           "(depth=1, or scope=a module)") from None
+    except graphviz.ExecutableNotFound:
+        raise GraphvizNotFound(f"Graphviz 'dot' could not be run; {INSTALL_HINT}") from None
+    except graphviz.CalledProcessError as e:
+        msg = (e.stderr or b"").decode(errors="replace").strip().splitlines()
+        raise RenderError(f"Graphviz 'dot' failed (exit {e.returncode}): "
+                          f"{msg[0] if msg else 'no output'}") from None
     except OSError as e:
         raise GraphvizNotFound(f"Graphviz 'dot' could not be run ({e.strerror}); {INSTALL_HINT}") from None
-    if proc.returncode != 0 or not proc.stdout:
-        msg = proc.stderr.decode(errors="replace").strip().splitlines()
-        raise RenderError(f"Graphviz 'dot' failed (exit {proc.returncode}): "
-                          f"{msg[0] if msg else 'no output'}")
-    return proc.stdout
+    if not out:
+        raise RenderError("Graphviz 'dot' failed: no output")
+    return out
 
 
-def render(graph: Graph, path, format: str | None = None, depth: int | None = None,
-           scope: str | None = None, plan=None, title: str | None = None,
-           timeout: float | None = 120.0, fast: bool | None = None) -> Path:
-    """Draw `graph` into `path` (.svg, .png, .pdf, or .dot/.gv for the DOT text); the path.
-
-    When Graphviz is missing, the DOT text is written next to `path` (``.dot``) and
-    `GraphvizNotFound` says where it is and how to install Graphviz.
-    """
+def render_drawing(graph: Graph, path, format: str | None = None, depth: int | str | None = None,
+                   scope: str | None = None, plan=None, title: str | None = None,
+                   timeout: float | None = 120.0, fast: bool | None = None,
+                   fold: bool = True) -> Drawing:
+    """`render`, returning the `Drawing` (its `path`, counts and readability warning)."""
     path = Path(path)
     fmt = output_format(path, format)
     check_writable(path)
-    text = to_dot(graph, depth=depth, scope=scope, plan=plan, title=title, fast=fast)
+    drawing = draw(graph, depth=depth, scope=scope, plan=plan, title=title, fast=fast, fold=fold)
+    drawing.path = path
+    text = drawing.source
     if fmt == "dot":
         write_atomic(path, text.encode())
-        return path
+        return drawing
     try:
         data = dot_to(text, fmt, timeout=timeout)
     except RenderError as e:
@@ -538,8 +669,21 @@ def render(graph: Graph, path, format: str | None = None, depth: int | None = No
         write_atomic(dot_path, text.encode())
         raise type(e)(f"{e}; the DOT text was written to {dot_path}") from None
     write_atomic(path, data)
-    return path
+    return drawing
 
 
-__all__ = ["to_dot", "render", "RenderError", "GraphvizNotFound", "quote", "dot_to", "STYLE",
-           "FAST_LAYOUT", "check_writable", "write_atomic", "output_format"]
+def render(graph: Graph, path, format: str | None = None, depth: int | str | None = None,
+           scope: str | None = None, plan=None, title: str | None = None,
+           timeout: float | None = 120.0, fast: bool | None = None, fold: bool = True) -> Path:
+    """Draw `graph` into `path` (.svg, .png, .pdf, or .dot/.gv for the DOT text); the path.
+    The options are `draw`'s.
+
+    When Graphviz is missing, the DOT text is written next to `path` (``.dot``) and
+    `GraphvizNotFound` says where it is and how to install Graphviz.
+    """
+    return render_drawing(graph, path, format, depth, scope, plan, title, timeout, fast, fold).path
+
+
+__all__ = ["to_dot", "draw", "Drawing", "render", "render_drawing", "RenderError",
+           "GraphvizNotFound", "quote", "dot_to", "STYLE", "FAST_LAYOUT", "READABLE_ITEMS",
+           "check_writable", "write_atomic", "output_format", "max_depth"]
