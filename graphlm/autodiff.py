@@ -91,6 +91,7 @@ def vjp(outputs: Sequence[Tensor], cotangents: Sequence[Tensor], wrt: Sequence[T
         if not any(i.id in needed for i in node.inputs):
             continue
         op = REGISTRY[node.op]
+        made_from = len(graph.nodes)
         with graph.backward_context(node.scope):
             ct = _total(pending[node_id])
             pending[node_id] = [ct]
@@ -101,6 +102,8 @@ def vjp(outputs: Sequence[Tensor], cotangents: Sequence[Tensor], wrt: Sequence[T
             else:
                 raise GraphError(f"grad: op '{node.op}' ({node.label} in {node.scope or '<root>'}) "
                                  "has no gradient rule")
+        for made in graph.nodes[made_from:]:
+            graph.forward_partner.setdefault(made, node)
         for inp, g in zip(node.inputs, grads):
             if g is None or inp.id not in needed:
                 continue

@@ -150,6 +150,8 @@ class Graph:
         self._backward = False
         self._scalar_consts: dict[tuple, Tensor] = {}
         self._counters: dict[str, int] = {}
+        # backward node -> the forward node whose VJP made it (filled by graphlm.autodiff)
+        self.forward_partner: dict[Tensor, Tensor] = {}
 
     def __repr__(self):
         return (f"<Graph {self.name}: {len(self.nodes)} nodes, {len(self.inputs)} inputs, "

@@ -43,8 +43,14 @@ def test_params_tinylm_table(capsys):
     code, out, _ = run(capsys, "params", "--preset", "tinylm")
     assert code == 0
     assert "1,902,976 parameters in 54 tensors" in out
+    # the four identical blocks print once, with their total, and one block's rows under it
+    assert re.search(r"^blocks\.0-3 x4 \(each 444,864\) +1,779,456 +93\.51%", out, re.M)
+    assert len(re.findall(r"^ +qkv_weight +\[3,192,192\] +110,592", out, re.M)) == 1
+    assert not re.search(r"^blocks\.1\b", out, re.M)
+    code, out, _ = run(capsys, "params", "--preset", "tinylm", "--unfold")
     assert re.search(r"^blocks\.0 +444,864 +23\.38%", out, re.M)
-    assert re.search(r"^ +qkv_weight +\[3,192,192\] +110,592", out, re.M)
+    assert re.search(r"^blocks\.3 +444,864 +23\.38%", out, re.M)
+    assert len(re.findall(r"^ +qkv_weight +\[3,192,192\] +110,592", out, re.M)) == 4
     assert re.search(r"^ +weight +\[256,192\] +49,152 ", out, re.M)   # head weight: untied
     assert "shared by" not in out
     assert "FLOPs per token" in out

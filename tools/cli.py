@@ -175,11 +175,12 @@ def _config_of(args):
 
 
 def cmd_render(args) -> int:
-    from .render import GraphvizNotFound, RenderError, output_format, render
+    from .render import GraphvizNotFound, RenderError, output_format, render_drawing
 
     out = Path(args.out)
+    html = (args.format or out.suffix.lower().lstrip(".")) == "html"
     try:
-        fmt = output_format(out, args.format)
+        fmt = "html" if html else output_format(out, args.format)
     except RenderError as e:
         raise CLIError(str(e)) from None
     _check_out(args.out)
@@ -189,17 +190,35 @@ def cmd_render(args) -> int:
     if args.plan:
         plan = _compile_numpy(graph, outputs).plan
     start = time.perf_counter()
+    if html:
+        from .html_page import write_page
+
+        try:
+            write_page(graph, out, plan=plan)
+        except RenderError as e:
+            raise CLIError(str(e), EXIT_FAILED) from None
+        print(f"wrote {out} (the interactive page, {out.stat().st_size:,} bytes): "
+              f"{len(graph.nodes):,} nodes of the {args.graph} graph"
+              + (", with the memory plan" if plan is not None else "")
+              + f", in {time.perf_counter() - start:.1f} s; open it in a browser")
+        return 0
+    # the training graph reads at depth 1 (each sub-module one box) unless told otherwise
+    depth = args.depth
+    if depth is None and args.graph == "train" and not args.scope:
+        depth = 1
     try:
-        render(graph, out, format=fmt, depth=args.depth, scope=args.scope, plan=plan,
-               timeout=args.timeout)
+        drawing = render_drawing(graph, out, format=fmt, depth=depth, scope=args.scope, plan=plan,
+                                 timeout=args.timeout, fold=not args.unfold)
     except GraphvizNotFound as e:
         raise CLIError(str(e), EXIT_NO_GRAPHVIZ) from None
     except RenderError as e:
         raise CLIError(str(e), EXIT_FAILED) from None
     took = time.perf_counter() - start
-    print(f"wrote {out} ({fmt}, {out.stat().st_size:,} bytes): {len(graph.nodes):,} nodes of the "
+    print(f"wrote {out} ({fmt}, {out.stat().st_size:,} bytes): {drawing.summary()} of the "
           f"{args.graph} graph" + (f", scope {args.scope}" if args.scope else "")
-          + (f", depth {args.depth}" if args.depth is not None else "") + f", in {took:.1f} s")
+          + (f", depth {depth}" if depth is not None else "") + f", in {took:.1f} s")
+    if drawing.warning:
+        print(f"graphlm render: warning: {drawing.warning}", file=sys.stderr)
     return 0
 
 
@@ -219,7 +238,7 @@ def cmd_params(args) -> int:
                           "flops_per_token": flops}, indent=2))
         return 0
     print(f"{_config_line(config)}\n")
-    print(table.format(depth=args.depth))
+    print(table.format(depth=args.depth, fold=not args.unfold))
     print(format_flops(flops))
     return 0
 
@@ -316,12 +335,17 @@ def build_parser() -> argparse.ArgumentParser:
                        "clusters; --depth collapses deeper modules into one box each.")
     _model_options(p)
     p.add_argument("--out", default="graph.svg",
-                   help="output file; .svg, .png, .pdf or .dot (default: %(default)s)")
-    p.add_argument("--format", choices=("svg", "png", "pdf", "dot"), default=None,
+                   help="output file; .svg, .png, .pdf, .dot, or .html for the interactive page "
+                        "(default: %(default)s)")
+    p.add_argument("--format", choices=("svg", "png", "pdf", "dot", "html"), default=None,
                    help="output format (default: from the --out suffix)")
     p.add_argument("--depth", type=int, default=None,
                    help="module levels drawn as clusters; deeper modules become one box each "
-                        "with node and parameter counts (default: all levels)")
+                        "with node and parameter counts (default: all levels; 1 for --graph "
+                        "train without --scope)")
+    p.add_argument("--unfold", action="store_true",
+                   help="draw every block of a run of identical ones (default: one, "
+                        "labelled blocks.0-11 x12)")
     p.add_argument("--scope", default=None,
                    help="draw only this module, e.g. blocks.1 (default: the whole graph)")
     p.add_argument("--plan", action="store_true",
@@ -337,6 +361,9 @@ def build_parser() -> argparse.ArgumentParser:
     _model_options(p, graph_default=None)
     p.add_argument("--depth", type=int, default=None,
                    help="show modules down to this level (default: every parameter)")
+    p.add_argument("--unfold", action="store_true",
+                   help="print every block of a run of identical ones (default: one, "
+                        "labelled blocks.0-11 x12)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table (default: off)")
     p.set_defaults(func=cmd_params)
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from graphlm.ir import Graph, fmt_shape
 
+from .folding import Repeat, name_repeats
 from .stats import module_levels, node_kind, shared_params
 
 
@@ -80,10 +81,34 @@ class ParamTable:
                      for r in self.rows if depth is None or r.level <= depth],
         }
 
-    def format(self, depth: int | None = None) -> str:
-        """The tree table. `depth`: show rows down to this level (deeper ones are summed in)."""
-        rows = [r for r in self.rows if depth is None or r.level <= depth]
-        names = ["  " * r.level + r.short + (" *" if r.shared_with else "") for r in rows]
+    def repeats(self) -> list[Repeat]:
+        """Runs of identical sibling modules (same relative parameter names, shapes, dtypes)."""
+        return name_repeats((r.name, (r.shape, r.dtype)) for r in self.rows if r.kind == "param")
+
+    def format(self, depth: int | None = None, fold: bool = True) -> str:
+        """The tree table. `depth`: show rows down to this level (deeper ones are summed in);
+        `fold`: print a run of identical modules once (``blocks.0-11 x12``, the run's total,
+        one member's rows under it)."""
+        repeats = self.repeats() if fold else []
+        later = {m for r in repeats for m in r.members[1:]}
+        first = {r.first: r for r in repeats}
+
+        def hidden(row: Row) -> bool:
+            return any(row.name == m or row.name.startswith(m + ".") for m in later)
+
+        rows, names = [], []
+        for r in self.rows:
+            if (depth is not None and r.level > depth) or hidden(r):
+                continue
+            rep = first.get(r.name) if r.kind == "module" else None
+            if rep is not None:
+                total = sum(self.module(m).params for m in rep.members)
+                nbytes = sum(self.module(m).bytes for m in rep.members)
+                r = Row(rep.label, "module", r.level, total, nbytes, tensors=r.tensors * rep.count)
+                names.append("  " * r.level + f"{rep.label} (each {total // rep.count:,})")
+            else:
+                names.append("  " * r.level + r.short + (" *" if r.shared_with else ""))
+            rows.append(r)
         shapes = [fmt_shape(r.shape) if r.shape is not None else "" for r in rows]
         w_name = max([len("name")] + [len(n) for n in names])
         w_shape = max([len("shape")] + [len(s) for s in shapes])
@@ -98,6 +123,9 @@ class ParamTable:
                    f"{fmt_bytes(self.total_bytes):>10}")
         out.append(f"{self.total:,} parameters in {self.tensors} tensors, "
                    f"{fmt_bytes(self.total_bytes)}")
+        for rep in repeats:
+            out.append(f"{rep.label}: {rep.count} identical modules, the rows under it are "
+                       f"{rep.first}'s (--unfold prints each)")
         for name, modules in self.shared.items():
             out.append(f"* {name} is shared by {', '.join(m or '<root>' for m in modules)} "
                        "(tied; counted once)")
