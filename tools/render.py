@@ -221,10 +221,15 @@ class Drawing:
     depth: int | None
     warning: str | None = None
     path: Path | None = None
+    stubs: int = 0
+
 
     def summary(self) -> str:
         """``613 nodes drawn as 95 boxes (blocks.0-2 x3 folded)``: the figures of the title."""
         text = f"{self.nodes:,} nodes drawn as {self.items:,} boxes"
+        if self.stubs:
+            text += f" (and {self.stubs} input{'s' if self.stubs > 1 else ''} from outside)"
+            text = text.replace(f"{self.items:,} boxes", f"{self.items - self.stubs:,} boxes")
         if self.folded:
             text += f" ({', '.join(r.label for r in self.folded)} folded)"
         return text
@@ -424,7 +429,7 @@ def draw(graph: Graph, depth: int | str | None = None, scope: str | None = None,
     if fast is None:
         fast = drawn > FAST_LAYOUT_ABOVE
     drawing = Drawing("", drawn, len(in_scope), drawn_nodes, repeats, depth,
-                      readability_warning(drawn, scope, depth))
+                      readability_warning(drawn, scope, depth), stubs=len(stubs))
 
     gattrs = {"rankdir": "TB", "newrank": "true", "compound": "false", "fontname": "Helvetica",
               "fontsize": "12", "nodesep": "0.25", "ranksep": "0.35", "labeljust": "l",
