@@ -143,6 +143,12 @@ def settle(page):
     page.evaluate("() => window.graphlmPage.redraw && new Promise(r => setTimeout(r, 0))")
 
 
+def click(page, selector: str):
+    """Pan the graph so the element is in the middle (as a user would), then click it."""
+    page.evaluate("sel => window.graphlmPage.centerOn(document.querySelector(sel))", selector)
+    page.click(selector)
+
+
 def drawn_ids(page) -> set[str]:
     return set(page.eval_on_selector_all("#graph g.node", "els => els.map(e => e.id)"))
 
@@ -177,7 +183,7 @@ def test_small_graph_page_folds_expands_and_has_no_plan_panel(browser, tmp_path)
     w2 = g.params["layers.2.weight"].id
     assert f"node-{w2}" not in ids                  # folded into layers.1's twin
     before = renders(page)
-    page.click('[id="cluster-layers.1"] text >> nth=0')   # the folded cluster's label: unfold
+    click(page, '[id="cluster-layers.1"] text')   # the folded cluster's label: unfold
     wait_render(page, before)
     assert f"node-{w2}" in drawn_ids(page)
     assert errors == []
@@ -201,14 +207,14 @@ def test_expand_and_collapse_a_block_in_place(train):
     qkv3 = g.params["blocks.3.attention.qkv_weight"].id
     assert f"node-{qkv3}" not in drawn_ids(page)
     before = renders(page)
-    page.click('[id="module-blocks.3.attention"]')
+    click(page, '[id="module-blocks.3.attention"]')
     wait_render(page, before)
     ids = drawn_ids(page)
     assert f"node-{qkv3}" in ids and "module-blocks.3.attention" not in ids
     inside = [n for n in g.nodes if n.scope.startswith("blocks.3.attention") and n.op != "const"]
     assert sum(f"node-{n.id}" in ids for n in inside) > 20
     before = renders(page)
-    page.click('[id="cluster-blocks.3.attention"] text >> nth=0')      # its label: collapse again
+    click(page, '[id="cluster-blocks.3.attention"] text')      # its label: collapse again
     wait_render(page, before)
     assert "module-blocks.3.attention" in drawn_ids(page)
     assert f"node-{qkv3}" not in drawn_ids(page)
@@ -239,7 +245,7 @@ def test_search_reveals_and_click_shows_details(train):
     page.click(f'#results li.result[data-id="{back.id}"]')
     wait_render(page, before)
     page.fill("#search", "")
-    page.click(f'[id="node-{back.id}"]')
+    click(page, f'[id="node-{back.id}"]')
     assert field("id") == f"n{back.id}" and field("kind") == "backward"
     partner = g.forward_partner[back]
     assert field("forward partner").startswith(f"n{partner.id} {partner.op}")
@@ -284,6 +290,7 @@ def test_plan_panel_and_graph_highlight_each_other(train):
     rect.hover(force=True)
     assert "hl" in page.get_attribute(f'[id="node-{nid}"]', "class").split()
     page.mouse.move(0, 0)
+    page.evaluate("sel => window.graphlmPage.centerOn(document.querySelector(sel))", f'[id="node-{nid}"]')
     page.hover(f'[id="node-{nid}"]')
     lit = page.eval_on_selector_all("#arena rect.block.hl", "els => els.map(e => +e.dataset.node)")
     assert lit and set(lit) == {nid}

@@ -317,8 +317,8 @@
     return [r.left + r.width / 2, r.top + r.height / 2];
   }
 
-  function centerOn(id) {
-    const el = document.getElementById(id);
+  function centerOn(idOrElement) {
+    const el = typeof idOrElement === "string" ? document.getElementById(idOrElement) : idOrElement;
     if (!el || !view) return;
     const box = el.getBBox();
     const g = el.ownerSVGElement.querySelector("g");   // the graph's transform group
@@ -582,6 +582,7 @@
     document.body.dataset.ready = "1";
   }
   page.reveal = reveal;
+  page.centerOn = centerOn;
   page.select = select;
   page.redraw = redraw;
   page.toggleModule = toggleModule;
