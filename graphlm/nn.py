@@ -609,30 +609,40 @@ def make_norm(kind: str, width: int, eps: float) -> Module:
     raise ValueError(f"unknown norm {kind!r}; expected 'layernorm' or 'rmsnorm'")
 
 
+def default_mlp_hidden(mlp: str, channels: int) -> int:
+    """The MLP's hidden width when none is given: 4C for GELU (GPT-2); 2C for SwiGLU, whose
+    input Linear is then 4C wide (gate and value), so both have 12C^2 + O(C) block weights."""
+    return (2 if mlp == "swiglu" else 4) * int(channels)
+
+
 class DecoderBlock(Module):
     """The pre-norm GPT block of the TensorLib decoder.
 
     ``r = x + attention(attention_norm(x))``;
     ``y = r + mlp_dropout(mlp_output(act(mlp_input(mlp_norm(r)))))``.
-    With ``mlp="gelu"``: mlp_input ``[4C, C]``, mlp_output ``[C, 4C]``. With ``mlp="swiglu"``:
-    mlp_input ``[4C, C]`` (rows 0..2C-1 the gate, 2C..4C-1 the value), mlp_output ``[C, 2C]``.
+    With hidden width H (`mlp_hidden`; default 4C for GELU, 2C for SwiGLU): ``mlp="gelu"`` has
+    mlp_input ``[H, C]`` and mlp_output ``[C, H]``; ``mlp="swiglu"`` has mlp_input ``[2H, C]``
+    (rows 0..H-1 the gate, H..2H-1 the value) and mlp_output ``[C, H]``.
     """
 
     def __init__(self, channels: int, head_count: int, dropout: float = 0.0,
                  layer_norm_epsilon: float = 1e-5, norm: str = "layernorm", mlp: str = "gelu",
-                 gelu_approximate: str = "tanh", attention_bias: bool = True, mlp_bias: bool = True):
+                 gelu_approximate: str = "tanh", attention_bias: bool = True, mlp_bias: bool = True,
+                 mlp_hidden: int | None = None):
         super().__init__()
         if mlp not in ("gelu", "swiglu"):
             raise ValueError(f"DecoderBlock: mlp must be 'gelu' or 'swiglu', got {mlp!r}")
         if gelu_approximate not in ("tanh", "none"):
             raise ValueError(f"DecoderBlock: gelu_approximate must be 'tanh' or 'none', got {gelu_approximate!r}")
         c = int(channels)
-        self.mlp_kind, self.gelu_approximate = mlp, gelu_approximate
+        hidden = default_mlp_hidden(mlp, c) if mlp_hidden is None else mlp_hidden
+        _positive("DecoderBlock", mlp_hidden=hidden)
+        self.mlp_kind, self.gelu_approximate, self.mlp_hidden = mlp, gelu_approximate, int(hidden)
         self.attention_norm = make_norm(norm, c, layer_norm_epsilon)
         self.attention = MultiheadAttention(c, head_count, dropout, bias=attention_bias)
         self.mlp_norm = make_norm(norm, c, layer_norm_epsilon)
-        self.mlp_input = Linear(c, 4 * c, mlp_bias)
-        self.mlp_output = Linear(4 * c if mlp == "gelu" else 2 * c, c, mlp_bias)
+        self.mlp_input = Linear(c, (2 if mlp == "swiglu" else 1) * self.mlp_hidden, mlp_bias)
+        self.mlp_output = Linear(self.mlp_hidden, c, mlp_bias)
         self.mlp_dropout = Dropout(dropout)
 
     def activation(self, h: Tensor) -> Tensor:
@@ -680,4 +690,4 @@ class TransformerDecoderLayer(Module):
 __all__ = ["Parameter", "Module", "ModuleList", "Linear", "Embedding", "PositionalEmbedding",
            "LayerNorm", "RMSNorm", "Dropout", "MultiheadAttention", "MLP", "SwiGLU",
            "DecoderBlock", "TransformerDecoderLayer", "swiglu", "ACTIVATIONS", "get_activation",
-           "dropout_key", "DROPOUT_KEY", "make_norm"]
+           "dropout_key", "DROPOUT_KEY", "make_norm", "default_mlp_hidden"]

@@ -207,7 +207,8 @@ class Trainer:
     def load(self, path: str | Path) -> None:
         """Restore params, moments, step and history from `path` (validated before anything
         changes)."""
-        ckpt = load_checkpoint(path, self.state, config=self.config.to_dict())
+        ckpt = load_checkpoint(path, self.state, config=self.config.to_dict(),
+                               upgrade_config=GPTConfig.upgrade_dict)
         self.step = ckpt.step
         self.history = list(ckpt.extra.get("history", []))
         best = ckpt.extra.get("best_val_loss")

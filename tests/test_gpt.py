@@ -43,6 +43,9 @@ def block_names(i):
     ("mlp", "relu", "mlp must be one of"),
     ("gelu_approximate", "erf", "gelu_approximate must be one of"),
     ("tie_weights", "yes", "tie_weights must be True or False"),
+    ("mlp_hidden", 0, "mlp_hidden must be a positive integer or None"),
+    ("mlp_hidden", 16.0, "mlp_hidden must be a positive integer or None"),
+    ("mlp_hidden", True, "mlp_hidden must be a positive integer or None"),
 ])
 def test_config_validation_names_the_field(field, value, message):
     with pytest.raises(ValueError, match=f"GPTConfig.{message}"):
@@ -63,6 +66,40 @@ def test_presets_and_config_round_trip():
         GPTConfig.preset("gpt5")
     with pytest.raises(ValueError, match="unknown field"):
         GPTConfig.from_dict({**t.to_dict(), "heads": 3})
+
+
+def test_mlp_hidden_defaults_keep_todays_shapes_and_an_explicit_width_is_recorded():
+    # the default width is 4C for GELU and 2C for SwiGLU: the shapes every checkpoint has
+    for mlp, default, rows in (("gelu", 32, 32), ("swiglu", 16, 32)):
+        cfg = GPTConfig(**TINY, mlp=mlp)
+        assert cfg.mlp_hidden is None and cfg.mlp_width == default
+        shapes = {k: p.shape for k, p in GPT(cfg).parameters().items()}
+        assert shapes["blocks.0.mlp_input.weight"] == (rows, 8)
+        assert shapes["blocks.0.mlp_output.weight"] == (8, default)
+        # the default given explicitly is the same architecture, so the same config
+        assert GPTConfig(**TINY, mlp=mlp, mlp_hidden=default) == cfg
+        # a config's dict records the actual width; one written before the field existed loads
+        assert cfg.to_dict()["mlp_hidden"] == default
+        old = {k: v for k, v in cfg.to_dict().items() if k != "mlp_hidden"}
+        assert GPTConfig.from_dict(old) == cfg == GPTConfig.from_dict(cfg.to_dict())
+        assert GPTConfig.upgrade_dict(old) == cfg.to_dict()
+    # another width changes exactly the MLP's shapes and counts
+    for mlp, rows in (("gelu", 12), ("swiglu", 24)):
+        cfg = GPTConfig(**TINY, mlp=mlp, mlp_hidden=12, mlp_bias=False)
+        m = GPT(cfg)
+        shapes = {k: p.shape for k, p in m.parameters().items()}
+        assert shapes["blocks.1.mlp_input.weight"] == (rows, 8)
+        assert shapes["blocks.1.mlp_output.weight"] == (8, 12)
+        assert m.blocks[0].mlp_hidden == 12
+        base = GPT(GPTConfig(**TINY, mlp=mlp, mlp_bias=False))
+        per_block_change = 8 * (rows + 12) - 8 * (base.blocks[0].mlp_input.out_features
+                                                 + base.blocks[0].mlp_hidden)
+        assert m.parameter_count() - base.parameter_count() == 2 * per_block_change
+        assert GPTConfig.from_dict(cfg.to_dict()) == cfg and cfg.to_dict()["mlp_hidden"] == 12
+    # a default width follows the channels under replace(); an explicit one stays
+    t = GPTConfig(**TINY)
+    assert t.replace(channels=16).mlp_width == 64
+    assert GPTConfig(**TINY, mlp_hidden=12).replace(channels=16).mlp_width == 12
 
 
 # ------------------------------------------------------------------------------------------------

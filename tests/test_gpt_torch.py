@@ -19,6 +19,9 @@ VARIANTS = {
     "rmsnorm-swiglu-tied": dict(norm="rmsnorm", mlp="swiglu", tie_weights=True, lm_head_bias=False),
     "erf-gelu-no-biases": dict(gelu_approximate="none", attention_bias=False, mlp_bias=False,
                                lm_head_bias=False),
+    "book-gpt-gelu-2C-tied": dict(norm="rmsnorm", mlp_hidden=32, attention_bias=False,
+                                  mlp_bias=False, tie_weights=True, lm_head_bias=False),
+    "swiglu-width-24": dict(mlp="swiglu", mlp_hidden=24),
 }
 
 

@@ -99,11 +99,12 @@ def test_parameter_table_from_a_graph_marks_a_weight_read_by_two_modules():
     assert parameter_table(model).shared == table.shared
 
 
-@pytest.mark.parametrize("mlp", ["gelu", "swiglu"])
-def test_analytic_flops_match_the_matmuls_of_the_graph(mlp):
+@pytest.mark.parametrize("mlp,mlp_hidden", [("gelu", None), ("swiglu", None), ("gelu", 100),
+                                            ("swiglu", 72)])
+def test_analytic_flops_match_the_matmuls_of_the_graph(mlp, mlp_hidden):
     """Forward FLOPs per token = the forward matmul FLOPs counted from node shapes / tokens;
     the backward has exactly twice the forward's matmul FLOPs, so a step is 3x."""
-    config = GPTConfig.preset("tinylm", layer_count=2, mlp=mlp, dropout=0.0)
+    config = GPTConfig.preset("tinylm", layer_count=2, mlp=mlp, dropout=0.0, mlp_hidden=mlp_hidden)
     B, T = 2, 32
     graph, _, _ = cli.build_model_graph(config, "train", B, T)
     counted = matmul_flops(graph)

@@ -178,3 +178,27 @@ def test_ctrl_c_saves_and_exits_cleanly(tmp_path, small_text):
     assert 3 <= ck.step < 100000
     assert cli_main(["train", "--resume", "--steps", str(ck.step + 2), "--out", str(out)]) == 0
     assert read_checkpoint(out / "checkpoint.safetensors").step == ck.step + 2
+
+
+def test_a_checkpoint_written_before_mlp_hidden_existed_still_resumes(tmp_path, small_text):
+    """Old checkpoints have no `mlp_hidden` in their config: they are the default width."""
+    from graphlm.io.checkpoint import save_checkpoint
+    tr = Trainer(tiny_options(small_text))
+    tr.train_step()
+    new = tr.save(tmp_path / "new.safetensors")
+    ck = read_checkpoint(new)
+    assert ck.config["mlp_hidden"] == 4 * TINY_MODEL["channels"]   # recorded: the actual width
+    old_config = {k: v for k, v in ck.config.items() if k != "mlp_hidden"}
+    old = save_checkpoint(tmp_path / "old.safetensors", ck.tensors, step=ck.step, config=old_config,
+                          options=ck.options, rng=ck.rng, sampler=ck.sampler, extra=ck.extra)
+    fresh = Trainer(tiny_options(small_text))
+    fresh.load(old)
+    assert fresh.step == 1
+    for k in ck.tensors:
+        assert fresh.state[k].tobytes() == ck.tensors[k].tobytes(), k
+    # another width is a different model: named in the one-line error, nothing loaded
+    wide = Trainer(tiny_options(small_text, model={**TINY_MODEL, "mlp_hidden": 24}))
+    before = {k: v.copy() for k, v in wide.state.items()}
+    with pytest.raises(ValueError, match=r"model config does not match \(mlp_hidden: file 64 vs model 24\)"):
+        wide.load(old)
+    assert all(np.array_equal(wide.state[k], before[k]) for k in before)

@@ -153,7 +153,7 @@ def _model_options(p: argparse.ArgumentParser, graph_default: str | None = "forw
                    batch_default: int = 1) -> None:
     src = p.add_argument_group("model")
     src.add_argument("--preset", default=None,
-                     help=f"a GPTConfig preset: tinylm or gpt2-small (default: {DEFAULT_PRESET})")
+                     help=f"a GPTConfig preset: tinylm, gpt2-small or book-gpt (default: {DEFAULT_PRESET})")
     src.add_argument("--config", metavar="JSON", default=None,
                      help="a JSON file or object of GPTConfig fields; may name a \"preset\" to "
                           "start from (default: none)")
@@ -244,12 +244,15 @@ def cmd_params(args) -> int:
 
 
 def _config_dict(config) -> dict:
+    if hasattr(config, "to_dict"):
+        return config.to_dict()  # GPTConfig: mlp_hidden as the actual width
     return dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(vars(config))
 
 
 def _config_line(config) -> str:
     return (f"GPT: V={config.vocab_size} T={config.context_length} C={config.channels} "
             f"H={config.head_count} N={config.layer_count}"
+            + (f" MLP={config.mlp_width}" if hasattr(config, "mlp_width") else "")
             + (", tied head" if getattr(config, "tie_weights", False) else ""))
 
 

@@ -215,13 +215,15 @@ def flops_per_token(config, seq_len: int | None = None) -> dict[str, Any]:
     the work; norms, activations, softmax and the optimizer's per-parameter update are left
     out. Per layer and token: QKV 6C^2, attention scores and weighted values 4*T*C (the full
     T x T products, the usual convention for MFU; the numpy executor's causal attention skips
-    the blocks above the diagonal), output projection 2C^2, MLP 16C^2 (SwiGLU: 12C^2);
-    the head 2CV. A training step is the forward plus a backward that computes two products
+    the blocks above the diagonal), output projection 2C^2, MLP 4CF for a GELU MLP of hidden
+    width F (16C^2 at the default F = 4C) and 6CF for SwiGLU (its input is 2F wide; 12C^2 at the
+    default F = 2C); the head 2CV. A training step is the forward plus a backward that computes two products
     (input and weight gradients) for each forward one: 3x the forward.
     """
     C, V, L = config.channels, config.vocab_size, config.layer_count
     T = config.context_length if seq_len is None else int(seq_len)
-    mlp = 12 * C * C if getattr(config, "mlp", "gelu") == "swiglu" else 16 * C * C
+    F = config.mlp_width
+    mlp = (6 if config.mlp == "swiglu" else 4) * C * F
     per_layer = {"qkv": 6 * C * C, "attention": 4 * T * C, "attention_output": 2 * C * C,
                  "mlp": mlp}
     layer = sum(per_layer.values())

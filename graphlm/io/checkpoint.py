@@ -16,7 +16,7 @@ import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, MutableMapping
+from typing import Any, Callable, Mapping, MutableMapping
 
 import numpy as np
 
@@ -154,15 +154,23 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
 
 
 def load_checkpoint(path: str | os.PathLike, state: MutableMapping[str, np.ndarray] | None = None,
-                    *, config: Mapping[str, Any] | None = None) -> Checkpoint:
+                    *, config: Mapping[str, Any] | None = None,
+                    upgrade_config: Callable[[dict], dict] | None = None) -> Checkpoint:
     """Read and verify `path`; with `state`, copy the tensors into its arrays in place.
 
     Everything is checked before any array of `state` changes: the file's tensor names must
     be exactly `state`'s, with the same shapes and dtypes; with `config`, the saved model
-    config must equal it. On any problem a ValueError names the file and `state` is untouched.
+    config must equal it, after `upgrade_config` (e.g. ``GPTConfig.upgrade_dict``, which fills
+    fields added since the file was written) has been applied to the saved one. On any problem a
+    ValueError names the file and `state` is untouched.
     """
     ckpt = read_checkpoint(path)
     where = f"checkpoint {path}"
+    if upgrade_config is not None:
+        try:
+            ckpt.config = upgrade_config(ckpt.config)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: bad model config ({e})") from None
     if config is not None and dict(config) != ckpt.config:
         diff = sorted(k for k in set(config) | set(ckpt.config) if config.get(k) != ckpt.config.get(k))
         details = ", ".join(f"{k}: file {ckpt.config.get(k)!r} vs model {config.get(k)!r}" for k in diff[:6])

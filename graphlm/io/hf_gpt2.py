@@ -61,6 +61,7 @@ def _read_config(path: str) -> GPTConfig:
             gelu_approximate=_GELU[act],
             tie_weights=True,
             lm_head_bias=False,
+            mlp_hidden=raw.get("n_inner"),  # null in GPT-2's own configs: 4 * n_embd
         )
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
@@ -68,7 +69,7 @@ def _read_config(path: str) -> GPTConfig:
 
 def hf_gpt2_mapping(config: GPTConfig) -> dict[str, tuple[str, Callable[[np.ndarray], np.ndarray], tuple]]:
     """graphlm name -> (HF key without prefix, transform of the HF array, expected HF shape)."""
-    c, v, t = config.channels, config.vocab_size, config.context_length
+    c, v, t, f = config.channels, config.vocab_size, config.context_length, config.mlp_width
     ident = lambda a: a  # noqa: E731
     out = {
         "token_embedding.weight": ("wte.weight", ident, (v, c)),
@@ -86,9 +87,9 @@ def hf_gpt2_mapping(config: GPTConfig) -> dict[str, tuple[str, Callable[[np.ndar
             b + "attention.output.bias": (h + "attn.c_proj.bias", ident, (c,)),
             b + "mlp_norm.weight": (h + "ln_2.weight", ident, (c,)),
             b + "mlp_norm.bias": (h + "ln_2.bias", ident, (c,)),
-            b + "mlp_input.weight": (h + "mlp.c_fc.weight", np.transpose, (c, 4 * c)),
-            b + "mlp_input.bias": (h + "mlp.c_fc.bias", ident, (4 * c,)),
-            b + "mlp_output.weight": (h + "mlp.c_proj.weight", np.transpose, (4 * c, c)),
+            b + "mlp_input.weight": (h + "mlp.c_fc.weight", np.transpose, (c, f)),
+            b + "mlp_input.bias": (h + "mlp.c_fc.bias", ident, (f,)),
+            b + "mlp_output.weight": (h + "mlp.c_proj.weight", np.transpose, (f, c)),
             b + "mlp_output.bias": (h + "mlp.c_proj.bias", ident, (c,)),
         })
     out["final_norm.weight"] = ("ln_f.weight", ident, (c,))

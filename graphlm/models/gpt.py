@@ -3,8 +3,10 @@
     token_embedding -> positional_embedding -> blocks.0 .. blocks.{N-1} (pre-norm) ->
     final_norm -> language_model_head  =>  logits [B, T, V]
 
-Variants through `GPTConfig`: LayerNorm or RMSNorm, GELU (tanh or erf) or SwiGLU MLP, biases on
-or off, a head tied to the token embedding (GPT-2). Parameter names follow design.md section 7.
+Variants through `GPTConfig`: LayerNorm or RMSNorm, GELU (tanh or erf) or SwiGLU MLP of any hidden
+width, biases on or off, a head tied to the token embedding (GPT-2). Parameter names follow
+design.md section 7. Presets: "tinylm", "gpt2-small" and "book-gpt" (the complete GPT of the
+decoder-only chapter, section 26.5: V=8 T=6 C=8 H=2 N=2, RMSNorm, GELU MLP of width 16, tied).
 
 `GPT(config)(tokens)` builds nodes in a graph; `logits` and `loss_and_grads` are conveniences that
 build, compile (cached per token shape and executor) and run a graph in eval mode.
@@ -42,6 +44,7 @@ class GPTConfig:
     mlp_bias: bool = True
     tie_weights: bool = False
     lm_head_bias: bool = True
+    mlp_hidden: int | None = None    # the MLP's hidden width; None = 4C (GELU) or 2C (SwiGLU)
 
     def __post_init__(self):
         for f in ("vocab_size", "context_length", "channels", "head_count", "layer_count"):
@@ -70,6 +73,24 @@ class GPTConfig:
             if not isinstance(getattr(self, f), (bool, np.bool_)):
                 raise ValueError(f"GPTConfig.{f} must be True or False, got {getattr(self, f)!r}")
             object.__setattr__(self, f, bool(getattr(self, f)))
+        h = self.mlp_hidden
+        if h is not None:
+            if isinstance(h, bool) or not isinstance(h, (int, np.integer)) or h <= 0:
+                raise ValueError(f"GPTConfig.mlp_hidden must be a positive integer or None "
+                                 f"(the default width), got {h!r}")
+            # one config per architecture: the default width, given explicitly, is stored as None
+            # (so configs compare equal and `replace(channels=...)` keeps following the default)
+            object.__setattr__(self, "mlp_hidden", None if h == self.default_mlp_hidden else int(h))
+
+    @property
+    def default_mlp_hidden(self) -> int:
+        """The MLP width when `mlp_hidden` is None (`nn.default_mlp_hidden`: 4C GELU, 2C SwiGLU)."""
+        return nn.default_mlp_hidden(self.mlp, self.channels)
+
+    @property
+    def mlp_width(self) -> int:
+        """The MLP's hidden width: `mlp_hidden`, or the default for `mlp` when it is None."""
+        return self.default_mlp_hidden if self.mlp_hidden is None else self.mlp_hidden
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "GPTConfig":
@@ -79,16 +100,25 @@ class GPTConfig:
         return cls(**{**_PRESETS[name], **overrides})
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every field, with `mlp_hidden` as the actual width (what checkpoints record)."""
+        return {**dataclasses.asdict(self), "mlp_hidden": self.mlp_width}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "GPTConfig":
-        """The inverse of `to_dict`; unknown keys are an error (they would be silently lost)."""
+        """The inverse of `to_dict`; unknown keys are an error (they would be silently lost).
+        Missing keys take their defaults, so dicts written before a field existed still load
+        (a checkpoint without `mlp_hidden` has the default width)."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"GPTConfig: unknown field(s) {', '.join(unknown)}")
         return cls(**d)
+
+    @classmethod
+    def upgrade_dict(cls, d: Mapping[str, Any]) -> dict[str, Any]:
+        """A saved config dict in today's form (``from_dict(d).to_dict()``): the fields added
+        since it was written get their values (`mlp_hidden` its default width)."""
+        return cls.from_dict(d).to_dict()
 
     def replace(self, **changes) -> "GPTConfig":
         return dataclasses.replace(self, **changes)
@@ -99,6 +129,11 @@ _PRESETS: dict[str, dict[str, Any]] = {
                    dropout=0.1),
     "gpt2-small": dict(vocab_size=50257, context_length=1024, channels=768, head_count=12,
                        layer_count=12, tie_weights=True, lm_head_bias=False),
+    # the book's chapter 26.5 (137_Gpt.c): VOCAB 8, SL 6, DM 8, NH 2, DF 16, N_BLOCKS 2; pre-norm
+    # RMSNorm (eps 1e-5), bias-free attention and GELU (tanh) MLP, final RMSNorm, tied head
+    "book-gpt": dict(vocab_size=8, context_length=6, channels=8, head_count=2, layer_count=2,
+                     norm="rmsnorm", mlp="gelu", gelu_approximate="tanh", mlp_hidden=16,
+                     attention_bias=False, mlp_bias=False, tie_weights=True, lm_head_bias=False),
 }
 
 
@@ -116,7 +151,7 @@ class GPT(nn.Module):
         self.positional_embedding = nn.PositionalEmbedding(c.context_length, c.channels)
         self.blocks = nn.ModuleList([
             nn.DecoderBlock(c.channels, c.head_count, c.dropout, c.layer_norm_epsilon, c.norm,
-                            c.mlp, c.gelu_approximate, c.attention_bias, c.mlp_bias)
+                            c.mlp, c.gelu_approximate, c.attention_bias, c.mlp_bias, c.mlp_width)
             for _ in range(c.layer_count)])
         self.final_norm = nn.make_norm(c.norm, c.channels, c.layer_norm_epsilon)
         self.language_model_head = nn.Linear(c.channels, c.vocab_size, bias=c.lm_head_bias)
