@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import weakref
 import zlib
+from contextlib import contextmanager
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
@@ -512,23 +513,40 @@ class MultiheadAttention(Module):
         return ops.reshape(ops.transpose(t, (0, 2, 1, 3)), (b, s, self.channels))
 
     # -- attention ----------------------------------------------------------------------------------------
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, causal: bool | None = None, offset: int = 0,
-               mask: Tensor | None = None) -> Tensor:
-        """``softmax(q @ k^T / sqrt(D) [+ mask], causal) @ v`` on ``[B, H, T, D]`` heads.
+    _captured: list | None = None   # set by `capture_attention`: record the probabilities
 
-        `causal` (default: the module's) fills ``j > i + offset`` with -inf; `mask` is an
-        optional additive mask broadcast against the ``[B, H, Tq, Tk]`` scores.
+    def probabilities(self, q: Tensor, k: Tensor, causal: bool | None = None, offset: int = 0,
+                      mask: Tensor | None = None) -> Tensor:
+        """The attention probabilities ``softmax(q @ k^T / sqrt(D) [+ mask], causal)``
+        ``[B, H, Tq, Tk]`` of ``[B, H, T, D]`` heads (each row sums to 1).
+
+        `causal` (default: the module's) fills ``j > i + offset`` with -inf, so those
+        probabilities are exactly 0; `mask` is an optional additive mask broadcast against the
+        scores.
         """
         causal = self.causal if causal is None else causal
-        scale = 1.0 / math.sqrt(self.head_width)
-        if causal and mask is None and offset == 0 and q.shape == k.shape == v.shape:
-            return ops.causal_attention(q, k, v, scale)   # one fused node (the same function)
-        scores = (q @ ops.swapaxes(k, -1, -2)) * scale
+        scores = (q @ ops.swapaxes(k, -1, -2)) * (1.0 / math.sqrt(self.head_width))
         if mask is not None:
             scores = scores + mask
         if causal:
             scores = ops.causal_mask(scores, offset=offset)
-        return ops.softmax(scores, -1) @ v
+        return ops.softmax(scores, -1)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, causal: bool | None = None, offset: int = 0,
+               mask: Tensor | None = None) -> Tensor:
+        """``probabilities(q, k, causal, offset, mask) @ v`` on ``[B, H, T, D]`` heads.
+
+        Plain causal self-attention is one fused ``causal_attention`` node (the same function),
+        except under `capture_attention`, which needs the probabilities as a node of their own.
+        """
+        causal = self.causal if causal is None else causal
+        if (self._captured is None and causal and mask is None and offset == 0
+                and q.shape == k.shape == v.shape):
+            return ops.causal_attention(q, k, v, 1.0 / math.sqrt(self.head_width))
+        probs = self.probabilities(q, k, causal, offset, mask)
+        if self._captured is not None:
+            self._captured.append(probs)
+        return probs @ v
 
     def project_output(self, context: Tensor) -> Tensor:
         """The output Linear and dropout on merged heads ``[B, T, C]``."""
@@ -553,6 +571,31 @@ class MultiheadAttention(Module):
     def extra_repr(self):
         return (f"channels={self.channels}, heads={self.head_count}, causal={self.causal}, "
                 f"bias={self.qkv_bias is not None}")
+
+
+@contextmanager
+def capture_attention(module: Module) -> Iterator[dict[str, list[Tensor]]]:
+    """Record the attention probabilities of every `MultiheadAttention` under `module`.
+
+    Inside the block, each call of such a module computes its probabilities as graph nodes
+    (`MultiheadAttention.probabilities`: matmul, scale, causal_mask, softmax, instead of the
+    fused causal_attention op; the same function) and appends that ``[B, H, Tq, Tk]`` tensor to
+    the yielded dict under the module's path relative to `module` (``blocks.0.attention``).
+    Make them outputs of a program to read them, as PyTorch's ``need_weights=True`` does:
+
+        with nn.capture_attention(model) as probs:
+            logits = model(tokens)
+        program = executors.compile(g, [logits, *(p for ps in probs.values() for p in ps)])
+    """
+    found = {path: m for path, m in module.named_modules() if isinstance(m, MultiheadAttention)}
+    captured: dict[str, list[Tensor]] = {path: [] for path in found}
+    for path, m in found.items():
+        object.__setattr__(m, "_captured", captured[path])
+    try:
+        yield captured
+    finally:
+        for m in found.values():
+            object.__setattr__(m, "_captured", None)
 
 
 class MLP(Module):
@@ -673,6 +716,10 @@ class TransformerDecoderLayer(Module):
                  eps: float = 1e-5, activation="relu"):
         super().__init__()
         _positive("TransformerDecoderLayer", d_model=d_model, head_count=head_count, d_ff=d_ff)
+        if d_model % head_count:
+            raise ValueError(f"TransformerDecoderLayer: d_model ({d_model}) must be divisible by "
+                             f"head_count ({head_count})")
+        self.d_model, self.head_count, self.d_ff = int(d_model), int(head_count), int(d_ff)
         self.self_attention = MultiheadAttention(d_model, head_count, dropout, bias=False, causal=True)
         self.self_attention_norm = LayerNorm(d_model, eps)
         self.cross_attention = MultiheadAttention(d_model, head_count, dropout, bias=False, causal=False)
@@ -686,8 +733,11 @@ class TransformerDecoderLayer(Module):
         h = self.cross_attention_norm(h + self.cross_attention(h, memory))
         return self.feed_forward_norm(h + self.feed_forward_dropout(self.feed_forward(h)))
 
+    def extra_repr(self):
+        return f"d_model={self.d_model}, heads={self.head_count}, d_ff={self.d_ff}"
+
 
 __all__ = ["Parameter", "Module", "ModuleList", "Linear", "Embedding", "PositionalEmbedding",
            "LayerNorm", "RMSNorm", "Dropout", "MultiheadAttention", "MLP", "SwiGLU",
            "DecoderBlock", "TransformerDecoderLayer", "swiglu", "ACTIVATIONS", "get_activation",
-           "dropout_key", "DROPOUT_KEY", "make_norm", "default_mlp_hidden"]
+           "dropout_key", "DROPOUT_KEY", "make_norm", "default_mlp_hidden", "capture_attention"]

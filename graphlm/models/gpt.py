@@ -229,13 +229,21 @@ class GPT(nn.Module):
                 if kind == "logits":
                     g = Graph("gpt_logits")
                     outputs = [self(g.input("tokens", shape, "int64"))]
+                elif kind == "attention":
+                    g = Graph("gpt_attention")
+                    with nn.capture_attention(self) as probs:
+                        logits = self(g.input("tokens", shape, "int64"))
+                    names = [k for k, ps in probs.items() for _ in ps]
+                    outputs = [logits] + [p for ps in probs.values() for p in ps]
                 else:
                     g, loss = self.loss_graph(*shape, name="gpt_loss_and_grads")
                     outputs = [loss] + grad(loss, list(g.params.values()))
             finally:
                 for m, mode in modes:
                     object.__setattr__(m, "training", mode)
-            prog = (get_executor(executor).compile(g, outputs), list(g.params))
+            # with the names of the extra outputs: gradients (params) or attention probabilities
+            prog = (get_executor(executor).compile(g, outputs),
+                    names if kind == "attention" else list(g.params))
             self._programs[key] = prog
         return prog
 
@@ -249,6 +257,16 @@ class GPT(nn.Module):
         program, _ = self._program("logits", tokens.shape, executor)
         (out,) = program.run({"tokens": tokens}, state=params)
         return out
+
+    def attention(self, params: Mapping[str, np.ndarray], tokens,
+                  executor: str = "numpy") -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Run the model in eval mode with every layer's attention probabilities as outputs of
+        the program (`nn.capture_attention`): ``(logits [B, T, V], {"blocks.i.attention":
+        probabilities [B, H, T, T]})``, row i of a head being what position i attends to."""
+        tokens = self.validate_tokens(tokens)
+        program, names = self._program("attention", tokens.shape, executor)
+        logits, *probs = program.run({"tokens": tokens}, state=params)
+        return logits, dict(zip(names, probs))
 
     def loss_and_grads(self, params: Mapping[str, np.ndarray], tokens, targets,
                        executor: str = "numpy") -> tuple[float, dict[str, np.ndarray]]:
