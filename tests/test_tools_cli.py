@@ -239,7 +239,8 @@ def test_bad_config_file_names_the_file(capsys, tmp_path):
     assert code == 0 and len([r for r in json.loads(out)["rows"] if r["kind"] == "param"]) == 42
 
 
-@pytest.mark.parametrize("command", ["render", "params", "plan", "stats", "train", "generate"])
+@pytest.mark.parametrize("command", ["render", "params", "plan", "stats", "train", "generate",
+                                     "attention"])
 def test_each_command_has_help_with_defaults(capsys, command):
     with pytest.raises(SystemExit) as stop:
         cli.main([command, "--help"])

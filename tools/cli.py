@@ -1,4 +1,4 @@
-"""The `graphlm` command: render, params, plan, stats, train, generate.
+"""The `graphlm` command: render, params, plan, stats, train, generate, attention.
 
     graphlm render --preset tinylm --graph forward --depth 1 --out tinylm.svg
     graphlm params --preset gpt2-small
@@ -10,8 +10,8 @@ may name a ``"preset"`` and override some of its fields). Errors are one line on
 non-zero exit: 2 for bad arguments or input, 1 when the work itself fails, 3 when Graphviz is
 missing (the .dot file is written anyway). Set GRAPHLM_DEBUG=1 for a traceback.
 
-`train` and `generate` are defined by tools/train_cli.py and tools/generate_cli.py, which
-expose ``add_arguments(parser)`` and ``run(args) -> int``.
+`train`, `generate` and `attention` are defined by tools/train_cli.py, tools/generate_cli.py and
+tools/attention_cli.py, which expose ``add_arguments(parser)`` and ``run(args) -> int``.
 """
 from __future__ import annotations
 
@@ -391,7 +391,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_stats)
 
     for name, module, help_text in (("train", "train_cli", "train a model (tiny Shakespeare by default)"),
-                                    ("generate", "generate_cli", "sample text from a checkpoint")):
+                                    ("generate", "generate_cli", "sample text from a checkpoint"),
+                                    ("attention", "attention_cli",
+                                     "picture every layer's and head's attention for a prompt")):
         mod = _delegated(module, name)
         p = sub.add_parser(name, help=help_text)  # their help texts state the defaults
         if mod is None:

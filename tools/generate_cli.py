@@ -13,8 +13,7 @@ import argparse
 import sys
 
 from graphlm import data
-from graphlm.io.checkpoint import read_checkpoint
-from graphlm.models import GPT, GPTConfig
+from graphlm.models import GPT
 from graphlm.sample import Generator, check_sampling_options
 
 from .train_cli import default_threads, use_threads
@@ -41,14 +40,8 @@ def run(args) -> int:
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     check_sampling_options(args.temperature, args.top_k, args.top_p)
-    ckpt = read_checkpoint(args.checkpoint)
-    config = GPTConfig.from_dict(ckpt.config)
-    model = GPT(config)
-    names = list(model.parameters())
-    missing = [n for n in names if n not in ckpt.tensors]
-    if missing:
-        raise ValueError(f"checkpoint {args.checkpoint}: missing parameter(s) {', '.join(missing[:5])}")
-    params = {n: ckpt.tensors[n] for n in names}
+    model, params = GPT.from_checkpoint(args.checkpoint)
+    config = model.config
     prompt = data.encode(args.prompt)
     if prompt.size == 0:
         raise ValueError("--prompt is empty; give at least one character")
