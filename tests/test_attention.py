@@ -5,48 +5,32 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from graphlm import executors, nn
+from graphlm import executors, nn  # noqa: F401  (executors: registers them)
 import graphlm as gl
 from graphlm.io.checkpoint import save_checkpoint
 from graphlm.models import GPT, GPTConfig
 from graphlm.tools import cli
 from graphlm.tools.attention import CAUSAL_GREY, format_top, token_labels, top_attended
+from tests.test_gpt_torch import torch_gpt_logits
 
 SMALL = dict(vocab_size=256, context_length=8, channels=16, head_count=4, layer_count=2)
 
 
 def torch_attention_probabilities(torch, cfg: GPTConfig, params: dict, tokens) -> list:
-    """Each layer's softmax(q k^T / sqrt(D)) with the causal mask, from torch.nn.functional,
-    written independently of graphlm's modules (pre-norm LayerNorm / RMSNorm GPT)."""
-    F = torch.nn.functional
+    """Each layer's softmax(q k^T / sqrt(D)) with the causal mask, recorded from the PyTorch GPT
+    of test_gpt_torch.py (written from torch.nn.functional, independently of graphlm)."""
+    probs = []
+
+    def attend(q, k, v):
+        t = q.shape[-2]
+        mask = torch.ones(t, t, dtype=torch.bool).tril()
+        p = ((q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5).masked_fill(~mask, float("-inf")).softmax(-1)
+        probs.append(p.numpy())
+        return p @ v
+
     P = {k: torch.tensor(v) for k, v in params.items()}
-    B, T = tokens.shape
-    C, H = cfg.channels, cfg.head_count
-
-    def norm(x, prefix):
-        if cfg.norm == "layernorm":
-            return F.layer_norm(x, (C,), P[prefix + ".weight"], P[prefix + ".bias"], cfg.layer_norm_epsilon)
-        return F.rms_norm(x, (C,), P[prefix + ".weight"], cfg.layer_norm_epsilon)
-
-    def linear(x, prefix):
-        return F.linear(x, P[prefix + ".weight"], P.get(prefix + ".bias"))
-
-    x = F.embedding(torch.tensor(tokens), P["token_embedding.weight"]) + P["positional_embedding.table.weight"][:T]
-    out = []
-    mask = torch.ones(T, T, dtype=torch.bool).tril()
-    for i in range(cfg.layer_count):
-        b = f"blocks.{i}."
-        h = norm(x, b + "attention_norm")
-        W = P[b + "attention.qkv_weight"]
-        qkv = [h @ W[j] + (P[b + "attention.qkv_bias"][j] if cfg.attention_bias else 0) for j in range(3)]
-        q, k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in qkv)
-        scores = (q @ k.transpose(-1, -2)) / (C // H) ** 0.5
-        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
-        out.append(probs.numpy())
-        x = x + linear((probs @ v).transpose(1, 2).reshape(B, T, C), b + "attention.output")
-        hid = linear(norm(x, b + "mlp_norm"), b + "mlp_input")
-        x = x + linear(F.gelu(hid, approximate=cfg.gelu_approximate), b + "mlp_output")
-    return out
+    torch_gpt_logits(torch, cfg, P, torch.tensor(tokens), attend)
+    return probs
 
 
 @pytest.mark.parametrize("variant", [dict(), dict(norm="rmsnorm", mlp_hidden=24, attention_bias=False,

@@ -6,6 +6,7 @@ match the C logits, and both print the chapter's 3 1 4 1 5."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -67,6 +68,18 @@ def test_parameter_count_is_the_closed_formula(numbers):
     if n["V"] == 8:   # the chapter prints "112 embedding + 1056 blocks = 1168"
         assert (expect["embedding"], expect["blocks"]) == (112, 1056)
         assert sum(expect.values()) - expect["final_norm"] == 1168
+
+
+def test_graphlm_params_counts_the_book_gpt_and_its_mlp_flops(capsys):
+    from graphlm.tools import cli
+    assert cli.main(["params", "--preset", "book-gpt", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["config"]["mlp_hidden"] == 16
+    assert report["total_parameters"] == 1176
+    # per layer and token: the GELU MLP's two products are 2 * (C*F) multiply-adds each
+    assert report["flops_per_token"]["per_layer"]["mlp"] == 4 * 8 * 16
+    assert cli.main(["params", "--preset", "book-gpt"]) == 0
+    assert capsys.readouterr().out.startswith("GPT: V=8 T=6 C=8 H=2 N=2 MLP=16, tied head")
 
 
 def test_with_identity_blocks_the_residual_carries_the_embedding_to_the_tied_head():

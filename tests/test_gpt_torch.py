@@ -25,8 +25,13 @@ VARIANTS = {
 }
 
 
-def torch_gpt_loss(torch, cfg: GPTConfig, P: dict, tokens, targets):
+def torch_gpt_logits(torch, cfg: GPTConfig, P: dict, tokens, attend=None):
+    """The logits [B, T, V]; `attend(q, k, v) -> context` on [B, H, T, D] heads replaces
+    F.scaled_dot_product_attention(is_causal=True) (tests/test_attention.py records the
+    probabilities through it)."""
     F = torch.nn.functional
+    if attend is None:
+        attend = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
     B, T = tokens.shape
     C, H = cfg.channels, cfg.head_count
     eps = cfg.layer_norm_epsilon
@@ -46,7 +51,7 @@ def torch_gpt_loss(torch, cfg: GPTConfig, P: dict, tokens, targets):
         W = P[b + "attention.qkv_weight"]
         qkv = [h @ W[j] + (P[b + "attention.qkv_bias"][j] if cfg.attention_bias else 0) for j in range(3)]
         q, k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in qkv)
-        ctx = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        ctx = attend(q, k, v)
         x = x + linear(ctx.transpose(1, 2).reshape(B, T, C), b + "attention.output")
         h = linear(norm(x, b + "mlp_norm"), b + "mlp_input")
         if cfg.mlp == "swiglu":
@@ -56,8 +61,13 @@ def torch_gpt_loss(torch, cfg: GPTConfig, P: dict, tokens, targets):
             h = F.gelu(h, approximate=cfg.gelu_approximate)
         x = x + linear(h, b + "mlp_output")
     head_w = P["token_embedding.weight"] if cfg.tie_weights else P["language_model_head.weight"]
-    logits = F.linear(norm(x, "final_norm"), head_w, P.get("language_model_head.bias"))
-    loss = F.cross_entropy(logits.reshape(B * T, -1), targets.reshape(-1))
+    return F.linear(norm(x, "final_norm"), head_w, P.get("language_model_head.bias"))
+
+
+def torch_gpt_loss(torch, cfg: GPTConfig, P: dict, tokens, targets):
+    logits = torch_gpt_logits(torch, cfg, P, tokens)
+    B, T = tokens.shape
+    loss = torch.nn.functional.cross_entropy(logits.reshape(B * T, -1), targets.reshape(-1))
     return logits, loss
 
 

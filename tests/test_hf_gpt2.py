@@ -17,8 +17,9 @@ HF_CONFIG = {"model_type": "gpt2", "vocab_size": V, "n_positions": T, "n_ctx": T
              "n_head": H, "n_layer": N, "layer_norm_epsilon": 1e-5, "activation_function": "gelu_new"}
 
 
-def hf_tensors(seed=0, prefix="transformer."):
-    """Random weights in Hugging Face GPT-2 layout (Conv1D weights are [in, out])."""
+def hf_tensors(seed=0, prefix="transformer.", inner=4 * C):
+    """Random weights in Hugging Face GPT-2 layout (Conv1D weights are [in, out]); `inner` is
+    the MLP width (n_inner, 4 * n_embd when null)."""
     r = np.random.default_rng(seed)
     f = lambda *s: (0.2 * r.standard_normal(s)).astype(np.float32)  # noqa: E731
     t = {"wte.weight": f(V, C), "wpe.weight": f(T, C), "ln_f.weight": 1 + f(C), "ln_f.bias": f(C)}
@@ -28,8 +29,8 @@ def hf_tensors(seed=0, prefix="transformer."):
                   h + "attn.c_attn.weight": f(C, 3 * C), h + "attn.c_attn.bias": f(3 * C),
                   h + "attn.c_proj.weight": f(C, C), h + "attn.c_proj.bias": f(C),
                   h + "ln_2.weight": 1 + f(C), h + "ln_2.bias": f(C),
-                  h + "mlp.c_fc.weight": f(C, 4 * C), h + "mlp.c_fc.bias": f(4 * C),
-                  h + "mlp.c_proj.weight": f(4 * C, C), h + "mlp.c_proj.bias": f(C),
+                  h + "mlp.c_fc.weight": f(C, inner), h + "mlp.c_fc.bias": f(inner),
+                  h + "mlp.c_proj.weight": f(inner, C), h + "mlp.c_proj.bias": f(C),
                   h + "attn.bias": np.tril(np.ones((1, 1, T, T), np.float32))})  # HF's mask buffer
     return {prefix + k: v for k, v in t.items()}
 
@@ -86,6 +87,18 @@ def test_import_matches_hugging_face_computation(tmp_path, prefix):
     tokens = np.array([[1, 5, 12, 0, 3, 3], [7, 7, 2, 9, 11, 4]])
     logits = model.logits(params, tokens, executor=EX)
     np.testing.assert_allclose(logits, hf_gpt2_forward_numpy(tensors, tokens, prefix), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("n_inner", [None, 4 * C, 40])
+def test_n_inner_is_the_mlp_width(tmp_path, n_inner):
+    inner = 4 * C if n_inner is None else n_inner
+    tensors = hf_tensors(2, inner=inner)
+    config, params = load_hf_gpt2(write_dir(tmp_path / "gpt2", tensors, {**HF_CONFIG, "n_inner": n_inner}))
+    assert config.mlp_width == inner and config.mlp_hidden == (None if inner == 4 * C else inner)
+    assert params["blocks.1.mlp_output.weight"].shape == (C, inner)
+    tokens = np.array([[1, 5, 12, 0, 3, 3]])
+    np.testing.assert_allclose(GPT(config).logits(params, tokens, executor=EX),
+                               hf_gpt2_forward_numpy(tensors, tokens), rtol=1e-4, atol=1e-4)
 
 
 def test_round_trip_graphlm_params_through_gpt2_layout(tmp_path):
