@@ -52,6 +52,16 @@ def test_gpt_attention_probabilities_match_torch_and_the_logits_the_fused_model(
     np.testing.assert_allclose(logits, model.logits(params, tokens, executor=executor), rtol=1e-5, atol=1e-5)
 
 
+def test_native_executor_computes_the_same_probabilities(native):
+    model = GPT(GPTConfig(**SMALL))
+    params = model.init(4)
+    tokens = np.random.default_rng(1).integers(0, 256, (1, 8))
+    _, want = model.attention(params, tokens, executor="reference")
+    _, got = model.attention(params, tokens, executor="native")
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6)
+
+
 def test_capture_attention_unfuses_only_inside_the_block():
     model = GPT(GPTConfig(**SMALL)).eval()
 

@@ -33,8 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top", type=int, default=3,
                    help="how many most-attended positions of the last token to print per head "
                         "(default: %(default)s)")
-    p.add_argument("--executor", default="numpy",
-                   help="executor that runs the forward program (default: %(default)s)")
+    p.add_argument("--executor", default="auto",
+                   help="executor that runs the forward program (default: auto, the native one "
+                        "where a C compiler works, else numpy)")
 
 
 def run(args) -> int:
