@@ -180,6 +180,13 @@ def test_ctrl_c_saves_and_exits_cleanly(tmp_path, small_text):
     assert read_checkpoint(out / "checkpoint.safetensors").step == ck.step + 2
 
 
+def test_train_mlp_hidden_flag_builds_and_records_that_width(tmp_path, small_text):
+    assert cli_main(["train", *TINY_FLAGS, "--data", small_text, "--steps", "2", "--eval-every", "2",
+                     "--mlp-hidden", "24", "--out", str(tmp_path)]) == 0
+    ck = read_checkpoint(tmp_path / "checkpoint.safetensors")
+    assert ck.config["mlp_hidden"] == 24 and ck.tensors["blocks.0.mlp_input.weight"].shape == (24, 16)
+
+
 def test_a_checkpoint_written_before_mlp_hidden_existed_still_resumes(tmp_path, small_text):
     """Old checkpoints have no `mlp_hidden` in their config: they are the default width."""
     from graphlm.io.checkpoint import save_checkpoint

@@ -32,7 +32,7 @@ _OPTION_FLAGS = {"preset": "preset", "steps": "steps", "batch_size": "batch_size
                  "eval_every": "eval_every", "eval_batches": "eval_batches", "data": "data",
                  "executor": "executor"}
 _MODEL_FLAGS = {"context_length": "context_length", "channels": "channels", "heads": "head_count",
-                "layers": "layer_count", "dropout": "dropout"}
+                "layers": "layer_count", "dropout": "dropout", "mlp_hidden": "mlp_hidden"}
 DEFAULTS = TrainOptions()
 
 
@@ -66,6 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--heads", type=int)
     g.add_argument("--layers", type=int)
     g.add_argument("--dropout", type=float)
+    g.add_argument("--mlp-hidden", type=int, help="the MLP's hidden width (default: 4 x channels)")
     p.add_argument("--threads", type=int, default=default_threads(),
                    help="threads of the numpy and native executors, which split large kernels themselves and run "
                         "BLAS on one thread (default: the available cores, at most 4; results do "
