@@ -83,14 +83,16 @@ def write_attention_picture(maps: Mapping[str, np.ndarray], labels: Sequence[str
     names = list(maps)
     heads = max(p.shape[0] for p in maps.values())
     t = len(labels)
-    cell = max(1.9, 0.15 * t + 0.6)
+    cell = min(4.5, max(1.9, 0.15 * t + 0.6))     # inches per heatmap
+    step = max(1, -(-t // 32))                       # label every token up to 32, then every step-th
+    ticks = list(range(0, t, step))
     fig, axes = plt.subplots(len(names), heads, figsize=(cell * heads + 1.2, cell * len(names) + 0.8),
                              squeeze=False, constrained_layout=True)
     fig.get_layout_engine().set(h_pad=0.12, w_pad=0.04)
     cmap = plt.get_cmap("viridis").with_extremes(bad=CAUSAL_GREY)   # the masked (future) cells
     norm = colors.PowerNorm(gamma=0.5, vmin=0.0, vmax=1.0)
     future = np.triu(np.ones((t, t), bool), k=1)
-    font = 8 if t <= 16 else 7 if t <= 32 else 5
+    font = 8 if t <= 16 else 7
     image = None
     for r, name in enumerate(names):
         for h in range(heads):
@@ -101,8 +103,8 @@ def write_attention_picture(maps: Mapping[str, np.ndarray], labels: Sequence[str
             p = maps[name][h]
             shown = np.ma.masked_where(future, p) if np.all(p[future] == 0) else p
             image = ax.imshow(shown, cmap=cmap, norm=norm, interpolation="nearest")
-            ax.set_xticks(range(t), labels, fontsize=font, family="monospace")
-            ax.set_yticks(range(t), labels, fontsize=font, family="monospace")
+            ax.set_xticks(ticks, [labels[i] for i in ticks], fontsize=font, family="monospace")
+            ax.set_yticks(ticks, [labels[i] for i in ticks], fontsize=font, family="monospace")
             ax.tick_params(length=0, pad=1)
             ax.set_title(f"{name.removesuffix('.attention')} head {h}", fontsize=8)
             if h == 0:
