@@ -198,6 +198,9 @@ def test_a_checkpoint_written_before_mlp_hidden_existed_still_resumes(tmp_path, 
     old_config = {k: v for k, v in ck.config.items() if k != "mlp_hidden"}
     old = save_checkpoint(tmp_path / "old.safetensors", ck.tensors, step=ck.step, config=old_config,
                           options=ck.options, rng=ck.rng, sampler=ck.sampler, extra=ck.extra)
+    from graphlm.models import GPT
+    model, _ = GPT.from_checkpoint(old)                                # as `graphlm generate` reads it
+    assert model.config == tr.config and model.blocks[0].mlp_hidden == 4 * TINY_MODEL["channels"]
     fresh = Trainer(tiny_options(small_text))
     fresh.load(old)
     assert fresh.step == 1
