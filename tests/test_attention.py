@@ -137,6 +137,7 @@ def test_attention_command_prints_the_top_positions_and_draws_the_grid(capsys, t
     (["--prompt", "123456789"], "--prompt is 9 bytes, more than the model's context length 8"),
     (["--out", "attn.bmp"], "--out attn.bmp: use a .png, .svg or .pdf file"),
     (["--top", "0"], "--top must be at least 1"),
+    (["--out", "/no/such/dir/attn.png"], "directory '/no/such/dir' does not exist"),
 ])
 def test_attention_command_errors_are_one_line(capsys, checkpoint, argv, message):
     path, _, _ = checkpoint

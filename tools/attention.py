@@ -14,10 +14,13 @@ back end, so no display is needed.
 """
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Mapping, Sequence
 
 import numpy as np
+
+from .render import write_atomic
 
 PICTURE_FORMATS = ("png", "svg", "pdf")
 CAUSAL_GREY = "#d9d9d9"   # the cells above the diagonal: the causal triangle
@@ -66,7 +69,8 @@ def format_top(rows: Sequence[dict], labels: Sequence[str], position: int = -1) 
 
 def write_attention_picture(maps: Mapping[str, np.ndarray], labels: Sequence[str],
                             out: str | Path, title: str | None = None, dpi: int = 80) -> Path:
-    """Draw the grid of heatmaps to `out` (.png, .svg or .pdf); returns the path."""
+    """Draw the grid of heatmaps to `out` (.png, .svg or .pdf, in an existing folder); returns
+    the path."""
     out = Path(out)
     fmt = out.suffix.lower().lstrip(".")
     if fmt not in PICTURE_FORMATS:
@@ -117,9 +121,10 @@ def write_attention_picture(maps: Mapping[str, np.ndarray], labels: Sequence[str
         bar.ax.tick_params(labelsize=7)
     if title:
         fig.suptitle(title, fontsize=10)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, format=fmt, dpi=dpi)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format=fmt, dpi=dpi)
     plt.close(fig)
+    write_atomic(out, buffer.getvalue())         # never a half-written picture
     return out
 
 

@@ -19,7 +19,7 @@ from graphlm.models import GPT
 
 from .attention import (PICTURE_FORMATS, attention_maps, format_top, token_labels, top_attended,
                         write_attention_picture)
-from .cli import CLIError
+from .cli import CLIError, _check_out
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,6 +42,7 @@ def run(args) -> int:
     out = Path(args.out)
     if out.suffix.lower().lstrip(".") not in PICTURE_FORMATS:
         raise CLIError(f"--out {args.out}: use a .png, .svg or .pdf file")
+    _check_out(args.out)
     if args.top < 1:
         raise CLIError(f"--top must be at least 1, got {args.top}")
     if not Path(args.checkpoint).is_file():
