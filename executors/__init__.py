@@ -10,6 +10,7 @@ from __future__ import annotations
 from graphlm.backends import available_executors, get_executor, register_executor
 
 from .base import Program
+from .custom_kernels import register_kernel
 
 
 def get(name: str):
@@ -42,4 +43,4 @@ register_executor("reference", _reference)
 register_executor("numpy", _numpy)
 register_executor("native", _native)
 
-__all__ = ["get", "compile", "Program", "available_executors", "register_executor"]
+__all__ = ["get", "compile", "Program", "available_executors", "register_executor", "register_kernel"]

@@ -5,8 +5,9 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from graphlm.ir import LEAF_OPS, Graph, GraphError, Tensor, fmt_shape
+from graphlm.ir import Graph, GraphError, Tensor, fmt_shape
 from graphlm.registry import REGISTRY
+from graphlm.rewrite import ancestors, expand_decompositions
 
 
 class ExecutionError(ValueError):
@@ -39,16 +40,7 @@ def normalize_outputs(graph: Graph, outputs) -> list[Tensor]:
 
 def needed_nodes(outputs: Sequence[Tensor]) -> list[Tensor]:
     """The nodes the outputs depend on, in creation (topological) order."""
-    graph = outputs[0].graph
-    seen: set[int] = set()
-    stack = list(outputs)
-    while stack:
-        n = stack.pop()
-        if n.id in seen:
-            continue
-        seen.add(n.id)
-        stack.extend(i for i in n.inputs if i.id not in seen)
-    order = [graph.nodes[i] for i in sorted(seen)]
+    order = ancestors(outputs)
     # Update ops (optimizer steps) write params/state in place, so they run after every other
     # node: a backward node may still read a weight that its update would change.
     updates = [n for n in order if REGISTRY[n.op].updates_state]
@@ -62,24 +54,30 @@ def needed_nodes(outputs: Sequence[Tensor]) -> list[Tensor]:
     return order
 
 
-def missing_kernels(nodes: Sequence[Tensor], kernels: Mapping) -> list[str]:
-    return sorted({n.op for n in nodes if n.op not in kernels and n.op not in LEAF_OPS})
-
-
 class Program:
-    """A compiled graph. Subclasses implement `run`; this class checks feeds and state."""
+    """A compiled graph. Subclasses implement `run`; this class checks feeds and state.
+
+    An op with no kernel in `kernels` but with a decomposition (a custom op registered with
+    ``decompose=``) runs as that decomposition: the program then holds a copy of the graph with
+    those nodes expanded (`self.graph`; the caller's graph is `self.source_graph`), and its
+    outputs are the copies of the requested ones, in the same order.
+    """
 
     executor_name = "?"
 
     def __init__(self, graph: Graph, outputs, kernels: Mapping):
-        self.graph = graph
-        self.outputs = normalize_outputs(graph, outputs)
-        self.nodes = needed_nodes(self.outputs)
-        missing = missing_kernels(self.nodes, kernels)
+        self.source_graph = graph
+        outputs, missing = expand_decompositions(normalize_outputs(graph, outputs),
+                                                 lambda op: op in kernels)
         if missing:
             raise NotImplementedError(f"the {self.executor_name} executor has no kernel for op "
                                       f"{', '.join(repr(m) for m in missing)}; cannot compile "
-                                      f"graph '{graph.name}'")
+                                      f"graph '{graph.name}' (no decomposition to run instead: "
+                                      "register a kernel with graphlm.executors.register_kernel "
+                                      "or give the op a decompose= rule)")
+        self.graph = outputs[0].graph
+        self.outputs = outputs
+        self.nodes = needed_nodes(self.outputs)
         self.input_nodes = {n.name: n for n in self.nodes if n.op == "input"}
         self.state_nodes = {n.name: n for n in self.nodes if n.op in ("param", "state")}
         self.written_state = sorted({n.inputs[i].name for n in self.nodes

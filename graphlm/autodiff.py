@@ -104,12 +104,9 @@ def vjp(outputs: Sequence[Tensor], cotangents: Sequence[Tensor], wrt: Sequence[T
                                  "has no gradient rule")
         for made in graph.nodes[made_from:]:
             graph.forward_partner.setdefault(made, node)
-        for inp, g in zip(node.inputs, grads):
+        for inp, g in zip(node.inputs, _checked_vjp_result(node, grads)):
             if g is None or inp.id not in needed:
                 continue
-            if g.shape != inp.shape:
-                raise AssertionError(f"VJP of {node.op} gave {fmt_shape(g.shape)} for input "
-                                     f"{fmt_shape(inp.shape)}")
             pending.setdefault(inp.id, []).append(g)
 
     results: list[Tensor | None] = []
@@ -125,6 +122,30 @@ def vjp(outputs: Sequence[Tensor], cotangents: Sequence[Tensor], wrt: Sequence[T
         else:
             results.append(None)
     return results
+
+
+def _checked_vjp_result(node: Tensor, grads) -> list[Tensor | None]:
+    """A VJP rule's result, checked: one entry per input, each None or a tensor of its input's
+    shape and dtype. A rule that breaks this (a custom op's most likely bug: a broadcast input's
+    gradient not summed back) is a GraphError naming the op and the node."""
+    where = f"the VJP of op '{node.op}' ({node.label} in {node.scope or '<root>'})"
+    if not isinstance(grads, (list, tuple)):
+        raise GraphError(f"{where} returned {type(grads).__name__}; it must return a list with "
+                         f"one gradient (or None) per input ({len(node.inputs)})")
+    if len(grads) != len(node.inputs):
+        raise GraphError(f"{where} returned {len(grads)} gradients for {len(node.inputs)} inputs")
+    for k, (inp, g) in enumerate(zip(node.inputs, grads)):
+        if g is None:
+            continue
+        if not isinstance(g, Tensor):
+            raise GraphError(f"{where} returned {type(g).__name__} for input {k}; expected a "
+                             "graphlm.Tensor or None")
+        if g.shape != inp.shape or (inp.dtype.kind == "f" and g.dtype != inp.dtype):
+            hint = (" (sum a broadcast back to the input's shape: graphlm.ops.unbroadcast)"
+                    if g.shape != inp.shape else "")
+            raise GraphError(f"{where} gave {fmt_shape(g.shape)} {g.dtype} for input {k}, which is "
+                             f"{fmt_shape(inp.shape)} {inp.dtype}{hint}")
+    return list(grads)
 
 
 def _total(terms: list[Tensor]) -> Tensor:

@@ -53,6 +53,92 @@ def register(name: str, infer, **kwargs) -> OpDef:
     return op
 
 
+CUSTOM_OPS: set[str] = set()   # the names registered through register_op (not graphlm's own)
+UNREGISTER_HOOKS: list[Callable[[str], None]] = []   # executors drop a removed op's kernels
+
+
+def register_op(name: str, *, infer=None, vjp=None, decompose=None, elementwise: bool = False,
+                differentiable: bool | None = None, doc: str = "", vjp_doc: str = "") -> OpDef:
+    """Declare a custom op; ``graphlm.apply(name, inputs, **attrs)`` then makes its nodes.
+
+    infer(inputs, attrs) -> (shape, dtype)
+        Its shape rule. Optional when `decompose` is given: the shape is then the shape of the
+        decomposition built on leaves of the inputs' shapes.
+    vjp(node, cotangent) -> [gradient or None, one per input]
+        Its VJP rule, built from other ops (``node.inputs``, ``node.attrs``). Without one, the op
+        is differentiated through its decomposition.
+    decompose(*inputs, **attrs) -> Tensor
+        The op written with other ops. An executor that has no kernel for the op runs this
+        instead, so such an op runs everywhere; `graphlm.executors.register_kernel` adds a kernel.
+
+    A name taken already, a missing shape rule, or a bad flag is an error naming the op; a shape
+    rule that raises or returns something else than (shape, dtype) and a VJP that returns the
+    wrong number or shapes of gradients are errors naming the op when a node is made or
+    differentiated. `unregister_op(name)` removes a custom op again.
+    """
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"register_op: an op name must be an identifier, got {name!r}")
+    if name in REGISTRY:
+        owner = "a custom op" if name in CUSTOM_OPS else "a graphlm op"
+        raise ValueError(f"register_op: op '{name}' is already registered ({owner}); choose "
+                         "another name, or unregister_op it first")
+    for what, fn in (("infer", infer), ("vjp", vjp), ("decompose", decompose)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"register_op('{name}'): {what} must be callable, got {type(fn).__name__}")
+    if infer is None:
+        if decompose is None:
+            raise TypeError(f"register_op('{name}'): the op has no shape rule: pass "
+                            "infer=(inputs, attrs) -> (shape, dtype), or decompose=, from which "
+                            "the shape is inferred")
+        infer = _shape_of_decomposition(decompose)
+    if differentiable is None:
+        differentiable = vjp is not None or decompose is not None
+    op = register(name, _checked_infer(infer), vjp=vjp, decompose=decompose,
+                  elementwise=elementwise, differentiable=differentiable, doc=doc, vjp_doc=vjp_doc)
+    CUSTOM_OPS.add(name)
+    return op
+
+
+def unregister_op(name: str) -> None:
+    """Remove a custom op registered with `register_op` (graphlm's own ops cannot be removed).
+    Nodes already made with it stay in their graphs but can no longer be compiled."""
+    if name not in CUSTOM_OPS:
+        what = "a graphlm op" if name in REGISTRY else "not a registered op"
+        raise ValueError(f"unregister_op: '{name}' is {what}, not a custom op")
+    CUSTOM_OPS.discard(name)
+    del REGISTRY[name]
+    for hook in UNREGISTER_HOOKS:
+        hook(name)
+
+
+def _checked_infer(infer):
+    def rule(inputs, attrs):
+        try:
+            result = infer(inputs, attrs)
+        except ShapeError:
+            raise
+        except Exception as e:  # a bug in a user's rule: say which op it belongs to
+            raise ShapeError(f"its shape rule raised {type(e).__name__}: {e}") from e
+        try:
+            shape, dtype = result
+            return tuple(int(d) for d in shape), np.dtype(dtype)
+        except (TypeError, ValueError):
+            raise ShapeError(f"its shape rule returned {result!r}; it must return "
+                             "(shape, dtype)") from None
+    return rule
+
+
+def _shape_of_decomposition(decompose):
+    def rule(inputs, attrs):
+        scratch = Graph("shape rule")
+        out = decompose(*(scratch.input(f"x{i}", t.shape, t.dtype) for i, t in enumerate(inputs)),
+                        **attrs)
+        if not isinstance(out, Tensor):
+            raise ShapeError(f"its decomposition returned {type(out).__name__}, not a Tensor")
+        return out.shape, out.dtype
+    return rule
+
+
 def get_op(name: str) -> OpDef:
     try:
         return REGISTRY[name]
@@ -73,7 +159,7 @@ def graph_of(args) -> Graph:
 
 def apply(name: str, inputs: Sequence[Tensor], **attrs) -> Tensor:
     """Make a node of op `name`: check inputs, infer shape/dtype, add it to the graph."""
-    op = REGISTRY[name]
+    op = get_op(name)
     graph = graph_of(inputs)
     for t in inputs:
         if isinstance(t, Tensor) and t.graph is not graph:
@@ -86,5 +172,5 @@ def apply(name: str, inputs: Sequence[Tensor], **attrs) -> Tensor:
     return graph._add(name, tuple(inputs), attrs, shape, dtype)
 
 
-__all__ = ["OpDef", "REGISTRY", "register", "get_op", "apply", "graph_of", "ShapeError",
-           "fmt_shape"]
+__all__ = ["OpDef", "REGISTRY", "CUSTOM_OPS", "register", "register_op", "unregister_op", "get_op",
+           "apply", "graph_of", "ShapeError", "fmt_shape"]
