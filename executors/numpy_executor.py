@@ -1888,6 +1888,7 @@ class NumpyProgram(Program):
 
     executor_name = "numpy"
     kernels: dict[str, Kernel] = KERNELS   # op -> kernel (a derived executor swaps in its own table)
+    tolerances = {"float64": 1e-12, "float32": 1e-6}   # against the reference (base.Program)
 
     def __init__(self, graph, outputs, poison: bool = False):
         super().__init__(graph, outputs, set(self.kernels) | set(reference.KERNELS))

@@ -311,6 +311,8 @@ def cache_write(node, cache, value, pos):
 # -- the executor ---------------------------------------------------------------------------------------
 class ReferenceProgram(Program):
     executor_name = "reference"
+    rounds_like_reference = True
+    tolerances = {"float64": 0.0, "float32": 0.0}
 
     def run(self, feeds=None, state=None) -> list[np.ndarray]:
         feeds = self.check_feeds(feeds)

@@ -8,15 +8,15 @@
 - every test starts on one numpy-executor thread (the CLIs' ``--threads`` default sets the
   process-wide count; a test that runs them must not change what later tests run on).
 
-The gradient and torch checkers themselves live in tests/gradcheck.py
-(``from tests.gradcheck import check_grads, check_torch, check_second_order``).
+The gradient checker is public, `graphlm.testing` (check_grads, check_vjps,
+assert_executors_agree); PyTorch as the oracle is tests/gradcheck.py (check_torch, torch_hvp).
 """
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from tests.gradcheck import run
+from graphlm.testing import run
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ from graphlm import executors
 import graphlm as gl
 from graphlm.executors import numpy_executor
 from graphlm.random import counter_uniform
-from tests.gradcheck import assert_close
+from graphlm.testing import assert_close
 
 NUMPY = executors.get("numpy")
 REF = executors.get("reference")

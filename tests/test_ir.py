@@ -12,7 +12,7 @@ from graphlm import executors
 import graphlm as gl
 from graphlm.executors.reference import KERNELS, ReferenceProgram
 from graphlm.ir import GraphError, ShapeError
-from tests.gradcheck import run
+from graphlm.testing import run
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -21,7 +21,7 @@ import graphlm as gl
 from graphlm.executors import numpy_executor
 from graphlm.executors.base import ExecutionError
 from graphlm.registry import REGISTRY, register
-from tests.gradcheck import assert_close, build, feeds_of
+from graphlm.testing import assert_close, build, feeds_of
 from tests.test_ops import PARAMS, inputs_of
 
 NUMPY = executors.get("numpy")

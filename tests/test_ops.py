@@ -6,7 +6,7 @@ broadcasting, size-1 axes and scalars. From the table:
 
 - forward vs the NumPy formula (float64);
 - every float input's gradient vs float64 central differences, the output tangent J v vs
-  central differences, and the VJP inner-product identity (tests/gradcheck.py: check_grads);
+  central differences, and the VJP inner-product identity (graphlm.testing.check_grads);
 - forward and torch.autograd.grad of a random weighted sum vs PyTorch in float32 and float64,
   with explicit shape and dtype checks of outputs and gradients;
 - every fused op (an op with a `decompose` in the registry) vs its decomposition, values and
@@ -29,7 +29,8 @@ import graphlm as gl
 from graphlm.ops import normalize_index
 from graphlm.random import dropout_keep_scale
 from graphlm.registry import REGISTRY, apply
-from tests.gradcheck import assert_close, build, check_grads, check_torch, feeds_of, run
+from graphlm.testing import assert_close, build, check_grads, feeds_of, run
+from tests.gradcheck import check_torch
 
 try:  # the oracle; the table refers to these names lazily, inside lambdas
     import torch

@@ -8,7 +8,8 @@ from graphlm import executors
 import graphlm as gl
 from graphlm.ir import ShapeError
 from graphlm.random import counter_uniform
-from tests.gradcheck import check_torch, run
+from graphlm.testing import run
+from tests.gradcheck import check_torch
 
 SHAPE = (64, 96)
 
