@@ -86,10 +86,12 @@ def check_grads(f: Callable[..., gl.Tensor], args: Sequence, *, order: int = 1,
     feeds = feeds_of(arrays)
     rng = np.random.default_rng(seed)
     where = f"on the {executor} executor"
+    fname = getattr(f, "__name__", "f")
+    fname = fname if fname.isidentifier() else "f"
 
     target, result = out, None
     for k in range(1, order + 1):
-        level = _check_level(g, wrt, target, feeds, k, rng, [names[i] for i in float_idx],
+        level = _check_level(g, wrt, target, feeds, k, rng, fname, [names[i] for i in float_idx],
                              [arrays[i] for i in float_idx], executor, eps, rtol, atol, identity_rtol)
         feeds[level.cotangent.name] = level.u
         if result is None:
@@ -116,7 +118,7 @@ class _Level:
     checks: list[str]
 
 
-def _check_level(g, wrt, target, feeds, order, rng, names, points, executor, eps, rtol, atol,
+def _check_level(g, wrt, target, feeds, order, rng, fname, names, points, executor, eps, rtol, atol,
                  identity_rtol) -> _Level:
     what = {1: "gradient", 2: "second derivative"}.get(order, f"derivative of order {order}")
     u = rng.standard_normal(target.shape)
@@ -144,8 +146,9 @@ def _check_level(g, wrt, target, feeds, order, rng, names, points, executor, eps
         if not np.isclose(analytic, numeric, rtol=rtol, atol=atol * max(1.0, abs(numeric))):
             detail = _localise(lambda p: float(np.vdot(u, f_at(w.name, p))), x, gv, eps, rng)
             raise AssertionError(
-                f"check_grads: the {what} of f with respect to {label} is wrong {executor_phrase(executor)}:"
-                f"{detail}; along a random direction autodiff gives {analytic:.8g}, central "
+                f"check_grads: the {what} of {fname} with respect to {label} is wrong {executor_phrase(executor)}: "
+                f"d<F, u>/d{name} for a random cotangent u{detail}; along a random direction "
+                f"autodiff gives {analytic:.8g}, central "
                 f"differences {numeric:.8g} (relative error {_rel(analytic, numeric):.1e}, rtol {rtol:g})")
         assert_close(jv, fd_jv, rtol, atol,
                      f"check_grads: the {what}'s tangent J v along a random direction of {label} "
@@ -183,5 +186,5 @@ def _localise(scalar_at, x: np.ndarray, grad: np.ndarray, eps: float, rng) -> st
     _, i, analytic, numeric = worst
     index = tuple(int(j) for j in np.unravel_index(i, x.shape)) if x.ndim else ()
     sampled = "" if n <= LOCALISE_MAX else f" (worst of {LOCALISE_MAX} sampled elements of {n})"
-    return (f" at index {index}{sampled} autodiff gives {analytic:.8g}, central differences "
+    return (f", at index {index}{sampled}: autodiff gives {analytic:.8g}, central differences "
             f"{numeric:.8g} (relative error {_rel(analytic, numeric):.1e})")

@@ -110,8 +110,7 @@ def _check_node(n: Tensor, arrays, rng, executor, eps, rtol, atol, passed) -> No
     y0 = forward.run(feeds)[0]
     for leaf, gv in zip(wrt, grad_values):
         x = feeds[leaf.name]
-        size = np.maximum(np.abs(x), 0.1 * (np.sqrt(np.mean(x * x)) if x.size else 1.0) + 1e-3)
-        v = rng.standard_normal(x.shape) * size
+        v = rng.standard_normal(x.shape) * _step_sizes(x)
         plus = forward.run({**feeds, leaf.name: x + eps * v})[0]
         minus = forward.run({**feeds, leaf.name: x - eps * v})[0]
         with np.errstate(invalid="ignore"):
@@ -127,3 +126,12 @@ def _check_node(n: Tensor, arrays, rng, executor, eps, rtol, atol, passed) -> No
                 f"by the rule, <u, J v> = {numeric:.8g} by central differences of the node alone "
                 f"(relative error {abs(analytic - numeric) / max(abs(analytic), abs(numeric), 1e-300):.1e}; "
                 f"checked in float64 on the {executor} executor; the {passed} nodes before it passed)")
+
+
+def _step_sizes(x: np.ndarray) -> np.ndarray:
+    """Per-element scale of the random direction: relative to the element (so a positive input
+    of log or rsqrt stays positive), at least a tenth of the typical size; 0 where x is not
+    finite (a masked -inf score stays masked)."""
+    finite = np.isfinite(x)
+    typical = float(np.sqrt(np.mean(np.square(x[finite])))) if finite.any() else 1.0
+    return np.where(finite, np.maximum(np.abs(np.where(finite, x, 0.0)), 0.1 * typical + 1e-3), 0.0)
