@@ -37,13 +37,14 @@ def ancestors(outputs: Sequence[Tensor]) -> list[Tensor]:
 
 
 def copy_graph(outputs: Sequence[Tensor], *, dtypes: Mapping | None = None,
-               expand: Callable[[Tensor], bool] | None = None,
+               expand: Callable[[Tensor], bool] | None = None, leaves_as_inputs: bool = False,
                name: str | None = None) -> tuple[Graph, dict[int, Tensor]]:
     """A new graph holding what `outputs` need; returns it and a map old node id -> new node.
 
     `dtypes` maps dtypes to replace (``{np.float32: np.float64}``); `expand(node)` says which
     nodes to replace by their op's decomposition. A decomposition must give the node's shape and
-    (mapped) dtype; one that does not is a GraphError naming the op.
+    (mapped) dtype; one that does not is a GraphError naming the op. `leaves_as_inputs` makes
+    params and states inputs of the same names (fed per run: a gradient check varies them).
     """
     outputs = list(outputs)
     src = outputs[0].graph
@@ -56,7 +57,8 @@ def copy_graph(outputs: Sequence[Tensor], *, dtypes: Mapping | None = None,
 
     for n in ancestors(outputs):
         if n.op in ("input", "param", "state"):
-            new[n.id] = getattr(g, n.op)(n.name, n.shape, dt(n.dtype))
+            kind = "input" if leaves_as_inputs else n.op
+            new[n.id] = getattr(g, kind)(n.name, n.shape, dt(n.dtype))
             continue
         with (g.backward_context(n.scope) if n.is_backward else g.scope(n.scope)):
             if n.op == "const":

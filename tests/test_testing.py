@@ -274,3 +274,18 @@ def test_a_disagreeing_state_update_is_named(monkeypatch):
     monkeypatch.setitem(numpy_executor.KERNELS, "sgd_update", numpy_executor.Kernel(build))
     with pytest.raises(AssertionError, match="the numpy executor disagrees with the reference on state 'w' after the run"):
         assert_executors_agree(g, [step.update], sgd.feeds(0), state, executors=["numpy"])
+
+
+def test_check_grads_checks_a_module_with_its_parameters_and_dropout():
+    """A decoder block in training mode: its parameters (named by their module paths) are
+    differentiated like arguments; the dropout key it reads is fed unchanged."""
+    from graphlm import nn
+    block = nn.DecoderBlock(8, 2, dropout=0.2).train()
+    x = np.random.default_rng(2).standard_normal((2, 3, 8)).astype(np.float32)
+    params = {**block.init(seed=0), "dropout_key": np.array(11, np.int64)}
+    result = check_grads(block, [x], params=params)
+    checked = [line.split("'")[1] for line in result.checks]
+    assert checked[0] == "x" and "attention.qkv_weight" in checked and "mlp_output.bias" in checked
+    assert len(checked) == 1 + len(block.parameters())
+    with pytest.raises(ValueError, match="f's graph reads .*dropout_key.*: give their values in params="):
+        check_grads(block, [x], params=block.init(seed=0))

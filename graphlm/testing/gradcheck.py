@@ -20,7 +20,7 @@ a first-order check cannot see.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -46,17 +46,18 @@ class GradCheckResult:
 
     output: np.ndarray                 # f(*args)
     grads: list[np.ndarray]            # d sum(f * weights) / d float input, in input order
-    float_inputs: list[int]            # which arguments were differentiated
+    float_inputs: list[int]            # which were differentiated: argument positions, then
+                                       # len(args) + k for the k-th param of f's graph
     weights: np.ndarray                # u_1, the output's random cotangent
     hvp: list[np.ndarray] | None = None         # order >= 2: H d per float input, where H is
     directions: list[np.ndarray] | None = None  # the Hessian of sum(f * weights), d = directions
-    checks: list[str] = field(default_factory=list)   # one line per check made
+    checks: list[str] = field(default_factory=list)   # one line per derivative checked
 
 
 def check_grads(f: Callable[..., gl.Tensor], args: Sequence, *, order: int = 1,
                 executor: str = "reference", eps: float = EPS, rtol: float = RTOL,
-                atol: float = ATOL, identity_rtol: float = IDENTITY_RTOL,
-                seed: int = 0) -> GradCheckResult:
+                atol: float = ATOL, identity_rtol: float = IDENTITY_RTOL, seed: int = 0,
+                params: Mapping[str, np.ndarray] | None = None) -> GradCheckResult:
     """Check every float argument's derivatives of `f`, up to `order`, against float64 central
     differences; raise AssertionError naming the argument, the worst index, the analytic and
     numeric values and their relative error.
@@ -64,29 +65,46 @@ def check_grads(f: Callable[..., gl.Tensor], args: Sequence, *, order: int = 1,
     `f` takes one graph tensor per argument and returns a tensor. Integer and bool arguments
     (token ids, targets, masks, RNG keys) are fed unchanged and not differentiated. Keep inputs
     away from kinks (relu at 0, ties of max): a central difference across one is no derivative.
+
+    `params` gives values to the named leaves that f makes itself: a module's parameters are
+    differentiated like arguments (and named by their parameter names), other inputs and states
+    it reads (a dropout key) are fed unchanged. ``check_grads(layer, [x], params=layer.init())``
+    checks a module.
     """
     if order < 1:
         raise ValueError(f"check_grads: order must be 1 or more, got {order}")
     arrays = [np.asarray(a) for a in args]
     names = argument_names(f, len(arrays))
-    float_idx = [i for i, a in enumerate(arrays) if is_float(a)]
-    if not float_idx:
-        raise ValueError("check_grads: f has no floating-point argument to differentiate")
     g, leaves, out = build(f, arrays, name=f"check_grads({getattr(f, '__name__', 'f')})")
     if out.dtype.kind != "f":
         raise ValueError(f"check_grads: f returns {out.dtype}, not a floating-point tensor")
-    if any(t.dtype != np.float64 for t in [out, *leaves] if t.dtype.kind == "f"):
-        g, new = copy_graph([out, *leaves], dtypes=TO_FLOAT64)
-        out, leaves = new[out.id], [new[t.id] for t in leaves]
+    own = {n: t for n, t in g.leaves().items() if n not in feeds_of(arrays)}
+    params = dict(params or {})
+    missing, unused = sorted(set(own) - set(params)), sorted(set(params) - set(own))
+    if missing or unused:
+        raise ValueError("check_grads: " + "; ".join(
+            (["f's graph reads " + ", ".join(missing) + ": give their values in params="] if missing else [])
+            + (["params= names " + ", ".join(unused) + ", which f's graph does not have"] if unused else [])))
+    # the float64 copy, with f's own leaves as inputs (fed, so they can be varied)
+    g, new = copy_graph([out, *leaves, *own.values()], dtypes=TO_FLOAT64, leaves_as_inputs=True)
+    out = new[out.id]
+    trainable = [n for n, t in own.items() if t.op == "param" and t.dtype.kind == "f"]
+    leaves = [new[t.id] for t in leaves] + [new[own[n].id] for n in trainable]
+    names = names + trainable
+    fixed = {n: np.asarray(params[n]) for n in own if n not in trainable}
+    arrays = arrays + [np.asarray(params[n]) for n in trainable]
     arrays = [a.astype(np.float64) if is_float(a) else a for a in arrays]
+    float_idx = [i for i, a in enumerate(arrays) if is_float(a)]
+    if not float_idx:
+        raise ValueError("check_grads: f has no floating-point argument to differentiate")
     if out.dtype != np.float64:
         raise AssertionError(f"check_grads: f's output is {out.dtype} in the float64 copy of its "
                              "graph; an op upcasts or downcasts on its own")
     wrt = [leaves[i] for i in float_idx]
-    feeds = feeds_of(arrays)
+    feeds = {**{t.name: a for t, a in zip(leaves, arrays)},
+             **{n: a.astype(np.float64) if is_float(a) else a for n, a in fixed.items()}}
     rng = np.random.default_rng(seed)
-    where = f"on the {executor} executor"
-    fname = getattr(f, "__name__", "f")
+    fname = getattr(f, "__name__", type(f).__name__)
     fname = fname if fname.isidentifier() else "f"
 
     target, result = out, None
@@ -101,7 +119,7 @@ def check_grads(f: Callable[..., gl.Tensor], args: Sequence, *, order: int = 1,
             result.hvp = level.grad_values
             result.directions = [level.u[a:b].reshape(w.shape)
                                  for a, b, w in zip(offsets[:-1], offsets[1:], wrt)]
-        result.checks += [f"{line} {where}" for line in level.checks]
+        result.checks += level.checks
         # the next order differentiates this one's gradients
         target = gl.concat([gl.reshape(gi, (-1,)) for gi in level.grads]) if len(wrt) > 1 \
             else gl.reshape(level.grads[0], (-1,))
@@ -156,7 +174,8 @@ def _check_level(g, wrt, target, feeds, order, rng, fname, names, points, execut
         assert_close(np.vdot(jv, u), np.vdot(v, gv), identity_rtol, identity_rtol / 100,
                      f"check_grads: the VJP inner-product identity <J v, u> == <v, J^T u> for {label} "
                      f"({what})")
-        checks.append(f"{what} of {label}: {analytic:.8g} vs central differences {numeric:.8g}")
+        checks.append(f"{what} of {label} on the {executor} executor: autodiff {analytic:+.8g}, "
+                      f"central differences {numeric:+.8g}, relative error {_rel(analytic, numeric):.1e}")
     values = [np.asarray(v) for v in grad_values]
     return _Level(y, u, cotangent, grads, values, checks)
 

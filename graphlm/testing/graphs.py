@@ -52,7 +52,9 @@ def feeds_of(arrays: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
 
 def argument_names(f: Callable, count: int) -> list[str]:
     """How error messages call f's arguments: its parameter names where they can be read
-    (``def f(x, w)`` -> x, w), else x0, x1, ..."""
+    (``def f(x, w)`` -> x, w; a module's `forward`), else x0, x1, ..."""
+    if isinstance(f, gl.nn.Module):
+        f = f.forward
     try:
         params = [p for p in inspect.signature(f).parameters.values()
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
