@@ -47,6 +47,37 @@ def test_the_option_chooses_executors_and_rejects_unknown_names(pytester):
     result.stderr.fnmatch_lines(["*--graphlm-executors=numpy,gpu: no executor named 'gpu'; available: *numpy*"])
 
 
+def test_an_executor_that_cannot_run_here_is_skipped_or_fails_when_chosen(pytester):
+    """A registered executor that is unavailable (as native without a compiler) or fails to
+    load: skipped with the reason by default, an error when chosen by name. (A subprocess: the
+    conftest registers executors, which must not leak into this session.)"""
+    pytester.makeconftest("""
+        from graphlm.backends import register_executor
+
+        class Unavailable:
+            def available(self):
+                return False
+
+        def broken():
+            raise ImportError("no module named 'fancy_accelerator'")
+
+        register_executor("unavailable", Unavailable)
+        register_executor("broken", broken)
+    """)
+    pytester.makepyfile("""
+        def test_runs(graphlm_executor):
+            assert graphlm_executor not in ("unavailable", "broken")
+    """)
+    result = pytester.runpytest_subprocess("-rs", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=len(usable_executors()),
+                           skipped=2 + len(available_executors()) - len(usable_executors()))
+    result.stdout.fnmatch_lines(["*the unavailable executor says it is unavailable here"])
+    result.stdout.fnmatch_lines(["*the broken executor does not load here: ImportError: no module named 'fancy_accelerator'"])
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--graphlm-executors=numpy,unavailable")
+    result.assert_outcomes(passed=1, errors=1)      # the fixture fails: a setup error
+    result.stdout.fnmatch_lines(["*--graphlm-executors chose unavailable, but the unavailable executor says*"])
+
+
 def test_defaults_are_fixtures_a_conftest_can_override(pytester):
     pytester.makeconftest("""
         import pytest

@@ -20,12 +20,20 @@ from .graphs import assert_close
 
 def usable_executors() -> list[str]:
     """The executors registered here that work on this machine (native needs a C compiler)."""
-    names = []
-    for name in available_executors():
-        ex = get_executor(name)
-        if getattr(ex, "available", lambda: True)():
-            names.append(name)
-    return names
+    return [name for name in available_executors() if executor_problem(name) is None]
+
+
+def executor_problem(name: str) -> str | None:
+    """Why executor `name` cannot run here (it fails to load, or says it is unavailable), or
+    None when it can."""
+    try:
+        executor = get_executor(name)
+        if getattr(executor, "available", lambda: True)():
+            return None
+        hint = " (no working C compiler)" if name == "native" else ""
+        return f"the {name} executor says it is unavailable here{hint}"
+    except Exception as e:   # an executor whose library is missing must not break a test session
+        return f"the {name} executor does not load here: {type(e).__name__}: {e}"
 
 
 def assert_executors_agree(graph: gl.Graph, outputs, feeds: Mapping[str, np.ndarray] | None = None,

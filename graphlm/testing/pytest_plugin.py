@@ -6,7 +6,7 @@ Fixtures
     graphlm_executor  the name of an executor; a test that asks for it runs once per executor
                       (``test_x[reference]``, ``test_x[numpy]``, ``test_x[native]``). Executors
                       that do not work here (native without a C compiler) are skipped, saying
-                      why, unless chosen by name, when they fail.
+                      why, unless chosen by name (then the test errors, saying why).
     graphlm_dtype     the dtype gradient checks compute in: float64
     graphlm_eps       the central-difference step: graphlm.testing.EPS (1e-4)
     graphlm_rtol, graphlm_atol
@@ -63,13 +63,12 @@ def pytest_generate_tests(metafunc):
 @pytest.fixture
 def graphlm_executor(request):
     """The executor this run of the test uses (the test is parametrized over them)."""
-    from graphlm.backends import get_executor
+    from graphlm.testing.agree import executor_problem
 
     name = request.param
-    executor = get_executor(name)
-    if not getattr(executor, "available", lambda: True)():
+    why = executor_problem(name)
+    if why is not None:
         _, by_name = chosen_executors(request.config)
-        why = f"the {name} executor does not work here (for native: no working C compiler)"
         if by_name:
             pytest.fail(f"{OPTION} chose {name}, but {why}", pytrace=False)
         pytest.skip(why)
