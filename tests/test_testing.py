@@ -289,3 +289,19 @@ def test_check_grads_checks_a_module_with_its_parameters_and_dropout():
     assert len(checked) == 1 + len(block.parameters())
     with pytest.raises(ValueError, match="f's graph reads .*dropout_key.*: give their values in params="):
         check_grads(block, [x], params=block.init(seed=0))
+
+
+def test_check_grads_runs_on_every_executor(graphlm_executor):
+    """The plugin's fixture in graphlm's own suite: the same checks on each executor."""
+    rng = np.random.default_rng(3)
+    x, w = rng.standard_normal((2, 5, 4)).astype(np.float32), rng.standard_normal((4, 4)).astype(np.float32)
+    result = check_grads(lambda x, w: gl.softmax(gl.layer_norm(x) @ w), [x, w], order=2,
+                         executor=graphlm_executor)
+    assert all(f"on the {graphlm_executor} executor" in line for line in result.checks)
+
+
+def test_a_large_input_is_localised_on_a_sample_of_its_elements(custom_ops):
+    softplus = custom_ops("softplus_flipped_large", **softplus_rules(vjp_sign=-1.0))
+    with pytest.raises(AssertionError, match=r"at index \(\d+, \d+\) \(worst of 512 sampled elements of 2000\): "
+                                             r"autodiff gives (\S+), central differences"):
+        check_grads(softplus, [np.random.default_rng(4).standard_normal((40, 50))])
