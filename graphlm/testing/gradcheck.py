@@ -164,7 +164,8 @@ def _check_level(g, wrt, target, feeds, order, rng, fname, names, points, execut
         if not np.isclose(analytic, numeric, rtol=rtol, atol=atol * max(1.0, abs(numeric))):
             detail = _localise(lambda p: float(np.vdot(u, f_at(w.name, p))), x, gv, eps, rng)
             raise AssertionError(
-                f"check_grads: the {what} of {fname} with respect to {label} is wrong {executor_phrase(executor)}: "
+                f"check_grads: the {what} of {fname} with respect to {label} is wrong (checked in "
+                f"float64 on the {executor} executor): "
                 f"d<F, u>/d{name} for a random cotangent u{detail}; along a random direction "
                 f"autodiff gives {analytic:.8g}, central "
                 f"differences {numeric:.8g} (relative error {_rel(analytic, numeric):.1e}, rtol {rtol:g})")
@@ -178,10 +179,6 @@ def _check_level(g, wrt, target, feeds, order, rng, fname, names, points, execut
                       f"central differences {numeric:+.8g}, relative error {_rel(analytic, numeric):.1e}")
     values = [np.asarray(v) for v in grad_values]
     return _Level(y, u, cotangent, grads, values, checks)
-
-
-def executor_phrase(executor: str) -> str:
-    return f"(checked in float64 on the {executor} executor)"
 
 
 def _rel(a: float, b: float) -> float:
