@@ -137,6 +137,8 @@ def test_a_broken_shape_rule_is_a_shape_error_naming_the_op_and_scope(op_names):
             gl.apply("raises", [x])
     with pytest.raises(KeyError, match="unknown op 'never_registered'"):
         gl.apply("never_registered", [x])
+    with pytest.raises(TypeError, match=r"apply\('raises', inputs\): inputs must be a list of tensors, got Tensor"):
+        gl.apply("raises", x)
 
 
 @pytest.mark.parametrize("vjp, message", [

@@ -161,13 +161,18 @@ def tiny_gpt_training_graph():
     return g, [loss, *grads], feeds, {k: params[k] for k in g.params}
 
 
-def test_check_vjps_passes_a_whole_gpt_training_graph():
+def test_check_vjps_passes_a_whole_gpt_training_step_and_leaves_its_state_alone():
+    from graphlm.optim import SGD
     g, outputs, feeds, state = tiny_gpt_training_graph()
+    optimizer = SGD(lr=0.1, momentum=0.9)
+    step = optimizer.minimize(outputs[0])
+    state = {**state, **optimizer.init_state()}
     before = {k: v.copy() for k, v in state.items()}
-    report = check_vjps(outputs, feeds, state)
+    report = check_vjps([*outputs, step.update], {**feeds, **optimizer.feeds(0)}, state)
     assert len(g.nodes) > 400 and len(report.checked) > 400
     assert {"causal_attention", "layer_norm", "gelu", "dropout", "cross_entropy", "embedding",
             "layer_norm_backward", "causal_attention_backward"} <= {n.op for n in report.checked}
+    assert report.skipped["sgd_update"] == "not differentiable"
     assert all(np.array_equal(state[k], before[k]) for k in state)
 
 
