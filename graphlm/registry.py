@@ -160,9 +160,10 @@ def graph_of(args) -> Graph:
 def apply(name: str, inputs: Sequence[Tensor], **attrs) -> Tensor:
     """Make a node of op `name`: check inputs, infer shape/dtype, add it to the graph."""
     op = get_op(name)
-    if not isinstance(inputs, (list, tuple)):
+    if isinstance(inputs, Tensor):
         raise TypeError(f"apply('{name}', inputs): inputs must be a list of tensors, got "
-                        f"{type(inputs).__name__} (write [x] for one input)")
+                        "Tensor (write [x] for one input)")
+    inputs = tuple(inputs)
     graph = graph_of(inputs)
     for t in inputs:
         if isinstance(t, Tensor) and t.graph is not graph:
