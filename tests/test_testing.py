@@ -16,8 +16,8 @@ import graphlm as gl
 from graphlm import executors
 from graphlm.models import GPT, GPTConfig
 from graphlm.registry import CUSTOM_OPS, REGISTRY
-from graphlm.testing import (assert_executors_agree, build, check_grads, check_vjps, feeds_of,
-                             usable_executors)
+from graphlm.testing import (assert_executors_agree, build, check_grads, check_op, check_vjps,
+                             feeds_of, run_reading, usable_executors)
 
 
 @pytest.fixture
@@ -310,3 +310,32 @@ def test_a_large_input_is_localised_on_a_sample_of_its_elements(custom_ops):
     with pytest.raises(AssertionError, match=r"at index \(\d+, \d+\) \(worst of 512 sampled elements of 2000\): "
                                              r"autodiff gives (\S+), central differences"):
         check_grads(softplus, [np.random.default_rng(4).standard_normal((40, 50))])
+
+
+def test_check_op_passes_a_right_custom_op_and_catches_a_wrong_kernel(custom_ops):
+    custom_ops("softplus_checked", **softplus_rules())
+    result = check_op("softplus_checked", [X.astype(np.float32)])
+    assert result.hvp is not None                       # second order by default
+    executors.register_kernel("softplus_checked", lambda x: np.logaddexp(0, x))
+    check_op("softplus_checked", [X.astype(np.float32)])
+    custom_ops("softplus_bad_native", **softplus_rules())
+    executors.register_kernel("softplus_bad_native", lambda x: np.logaddexp(0, x) * 1.001, executor="native")
+    if "native" in usable_executors():
+        with pytest.raises(AssertionError, match="check_op: the native kernel of op 'softplus_bad_native' "
+                                                 "disagrees with the op's decomposition"):
+            check_op("softplus_bad_native", [X])
+
+
+@pytest.mark.parametrize("op_name", sorted(n for n, op in REGISTRY.items() if op.decompose is not None
+                                           and n not in CUSTOM_OPS))
+def test_check_op_passes_every_fused_op_of_the_table(op_name):
+    """Each graphlm op with a decomposition, at its first node in the op table's graphs, on that
+    node's input values: gradients, kernels against the decomposition, executors."""
+    for case, k, arrays in op_table():
+        g, _, _ = build(case.f, arrays)
+        node = next((n for n in g.nodes if n.op == op_name), None)
+        if node is not None:
+            values = run_reading(g, list(node.inputs), feeds_of(arrays))
+            check_op(op_name, values, node.attrs, order=1)
+            return
+    raise AssertionError(f"no row of the op table uses {op_name}")

@@ -9,6 +9,8 @@
   own; a failure names the first wrong node by op, name and module scope.
 - `assert_executors_agree(graph, outputs, feeds, state)`: every usable executor against the
   reference, within each executor's own tolerance (``program.tolerance(dtype)``).
+- `check_op(name, args, attrs)`: one op's gradients (to second order), its kernels against its
+  decomposition, and its executors against the reference.
 - helpers: `build`, `run`, `feeds_of`, `assert_close`, `usable_executors`.
 
 The pytest plugin (`graphlm.testing.pytest_plugin`, loaded through the ``pytest11`` entry point
@@ -17,8 +19,9 @@ where graphlm is installed) adds the ``graphlm_executor`` fixture and ``--graphl
 from .agree import assert_executors_agree, usable_executors
 from .gradcheck import ATOL, EPS, IDENTITY_RTOL, RTOL, GradCheckResult, check_grads
 from .graphs import assert_close, build, feeds_of, run, run_reading
+from .opcheck import check_op
 from .vjpcheck import VJPReport, check_vjps
 
-__all__ = ["check_grads", "check_vjps", "assert_executors_agree", "usable_executors",
+__all__ = ["check_grads", "check_vjps", "assert_executors_agree", "check_op", "usable_executors",
            "GradCheckResult", "VJPReport", "build", "run", "run_reading", "feeds_of",
            "assert_close", "EPS", "RTOL", "ATOL", "IDENTITY_RTOL"]

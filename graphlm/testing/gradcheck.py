@@ -28,7 +28,8 @@ import graphlm as gl
 from graphlm.ir import fmt_shape
 from graphlm.rewrite import copy_graph
 
-from .graphs import argument_names, assert_close, build, compile, feeds_of, is_float, reading
+from .graphs import (argument_names, assert_close, build, central_difference, compile, feeds_of,
+                     is_float, reading)
 
 EPS = 1e-4            # the central-difference step (float64)
 RTOL = 1e-6           # gradients against central differences
@@ -159,7 +160,7 @@ def _check_level(g, wrt, target, feeds, order, rng, fname, names, points, execut
         label = f"'{name}' ({fmt_shape(w.shape)})"
         assert gv.shape == w.shape and gv.dtype == np.float64, \
             f"check_grads: the {what} for {label} came out {gv.shape} {gv.dtype}"
-        fd_jv = (f_at(w.name, x + eps * v) - f_at(w.name, x - eps * v)) / (2 * eps)
+        fd_jv = central_difference(f_at(w.name, x + eps * v), f_at(w.name, x - eps * v), eps)
         analytic, numeric = float(np.vdot(gv, v)), float(np.vdot(u, fd_jv))
         if not np.isclose(analytic, numeric, rtol=rtol, atol=atol * max(1.0, abs(numeric))):
             detail = _localise(lambda p: float(np.vdot(u, f_at(w.name, p))), x, gv, eps, rng)
@@ -194,7 +195,7 @@ def _localise(scalar_at, x: np.ndarray, grad: np.ndarray, eps: float, rng) -> st
         e = np.zeros(n)
         e[i] = eps
         e = e.reshape(x.shape)
-        numeric = (scalar_at(x + e) - scalar_at(x - e)) / (2 * eps)
+        numeric = float(central_difference(scalar_at(x + e), scalar_at(x - e), eps))
         analytic = float(grad.reshape(-1)[i])
         err = abs(analytic - numeric)
         if worst is None or err > worst[0]:

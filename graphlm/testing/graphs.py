@@ -64,6 +64,13 @@ def argument_names(f: Callable, count: int) -> list[str]:
     return names + [f"x{i}" for i in range(len(names), count)]
 
 
+def central_difference(plus: np.ndarray, minus: np.ndarray, eps: float) -> np.ndarray:
+    """(plus - minus) / (2 eps), and 0 where the two are equal: a masked output (-inf at the
+    same place on both sides) does not change, which is a zero derivative, not NaN."""
+    with np.errstate(invalid="ignore"):
+        return np.where(plus == minus, 0.0, (plus - minus) / (2 * eps))
+
+
 def is_float(a) -> bool:
     return np.asarray(a).dtype.kind == "f"
 
