@@ -339,3 +339,15 @@ def test_check_op_passes_every_fused_op_of_the_table(op_name):
             check_op(op_name, values, node.attrs, order=1)
             return
     raise AssertionError(f"no row of the op table uses {op_name}")
+
+
+@pytest.mark.parametrize("variant", [{}, dict(norm="rmsnorm", mlp="swiglu", tie_weights=True)])
+def test_check_grads_checks_a_float32_gpt_on_the_float64_copy_of_its_graph(variant):
+    """The model is declared and initialised in float32; every parameter's gradient is checked
+    in float64 without a second float64 model."""
+    model = GPT(GPTConfig(vocab_size=6, context_length=4, channels=8, head_count=2, layer_count=1, **variant))
+    params = model.init(seed=4)
+    assert all(v.dtype == np.float32 for v in params.values())
+    tokens, targets = np.array([[0, 1, 2, 5]]), np.array([[1, 2, 3, 4]])
+    result = check_grads(model.loss, [tokens, targets], params=params)
+    assert len(result.checks) == len(params) and result.output.dtype == np.float64
