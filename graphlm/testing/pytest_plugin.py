@@ -6,7 +6,8 @@ Fixtures
     graphlm_executor  the name of an executor; a test that asks for it runs once per executor
                       (``test_x[reference]``, ``test_x[numpy]``, ``test_x[native]``). Executors
                       that do not work here (native without a C compiler) are skipped, saying
-                      why, unless chosen by name (then the test errors, saying why).
+                      why, unless chosen by name (then the test errors, saying why; so does
+                      native where GRAPHLM_REQUIRE_NATIVE is set, as in graphlm's CI).
     graphlm_dtype     the dtype gradient checks compute in: float64
     graphlm_eps       the central-difference step: graphlm.testing.EPS (1e-4)
     graphlm_rtol, graphlm_atol
@@ -19,6 +20,8 @@ Option
                                        registered one)
 """
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -71,6 +74,8 @@ def graphlm_executor(request):
         _, by_name = chosen_executors(request.config)
         if by_name:
             pytest.fail(f"{OPTION} chose {name}, but {why}", pytrace=False)
+        if name == "native" and os.environ.get("GRAPHLM_REQUIRE_NATIVE"):
+            pytest.fail(f"GRAPHLM_REQUIRE_NATIVE is set, but {why}", pytrace=False)
         pytest.skip(why)
     return name
 
