@@ -83,6 +83,13 @@ def test_missing_broadcast_reduction_is_an_error_naming_the_op(custom_ops):
     with pytest.raises(gl.GraphError, match=r"the VJP of op 'add_unreduced' \(add_unreduced#\d+ in <root>\) gave "
                                             r"\[3,4\] float64 for input 1, which is \[4\] float64 \(sum a broadcast back"):
         check_grads(bad_add, [X, X[0]])
+    g = gl.Graph("model")
+    a, b = g.input("a", (3, 4), "float64"), g.input("b", (4,), "float64")
+    with g.scope("layer"):
+        y = bad_add(gl.tanh(a), b)
+    with pytest.raises(AssertionError, match=rf"check_vjps: the VJP rule fails at node {y.label} \(op 'add_unreduced', "
+                                             r"scope 'layer'\): the VJP of op 'add_unreduced' .* gave \[3,4\]"):
+        check_vjps([gl.sum(y)], {"a": X, "b": X[0]})
 
 
 def test_broadcast_reduced_wrongly_is_caught(custom_ops):

@@ -17,7 +17,7 @@ import numpy as np
 
 import graphlm as gl
 from graphlm.autodiff import vjp
-from graphlm.ir import LEAF_OPS, Tensor, fmt_shape
+from graphlm.ir import LEAF_OPS, GraphError, Tensor, fmt_shape
 from graphlm.registry import REGISTRY, apply
 from graphlm.rewrite import ancestors
 
@@ -75,7 +75,11 @@ def check_vjps(outputs, feeds: Mapping[str, np.ndarray] | None = None,
                                   state_copy)))
     rng = np.random.default_rng(seed)
     for n in todo:
-        _check_node(n, [values[i.id] for i in n.inputs], rng, executor, eps, rtol, atol, len(report.checked))
+        try:
+            _check_node(n, [values[i.id] for i in n.inputs], rng, executor, eps, rtol, atol,
+                        len(report.checked))
+        except GraphError as e:   # the rule breaks its contract (wrong count, shape or dtype)
+            raise AssertionError(f"check_vjps: the VJP rule fails at {describe(n)}: {e}") from e
         report.checked.append(n)
     return report
 
