@@ -111,14 +111,13 @@ def _check_node(n: Tensor, arrays, rng, executor, eps, rtol, atol, passed) -> No
     grad_values = program.run({k: v for k, v in {**feeds, "cotangent": u}.items()
                                if k in program.input_nodes})
     forward = compile(g, [y], executor)
-    y0 = forward.run(feeds)[0]
     for leaf, gv in zip(wrt, grad_values):
         x = feeds[leaf.name]
         v = rng.standard_normal(x.shape) * _step_sizes(x)
         plus = forward.run({**feeds, leaf.name: x + eps * v})[0]
         minus = forward.run({**feeds, leaf.name: x - eps * v})[0]
         jv = central_difference(plus, minus, eps)
-        ok = np.isfinite(y0) | (plus == minus)
+        ok = np.isfinite(jv)     # an output that overflows on one side says nothing
         analytic, numeric = float(np.vdot(gv, v)), float(np.vdot(u[ok], jv[ok]))
         scale = float(np.linalg.norm(gv) * np.linalg.norm(v))
         if abs(analytic - numeric) > rtol * max(abs(analytic), abs(numeric)) + atol * scale:
