@@ -56,11 +56,11 @@ def copy_graph(outputs: Sequence[Tensor], *, dtypes: Mapping | None = None,
         return dmap.get(np.dtype(d), np.dtype(d))
 
     for n in ancestors(outputs):
-        if n.op in ("input", "param", "state"):
-            kind = "input" if leaves_as_inputs else n.op
-            new[n.id] = getattr(g, kind)(n.name, n.shape, dt(n.dtype))
-            continue
         with (g.backward_context(n.scope) if n.is_backward else g.scope(n.scope)):
+            if n.op in ("input", "param", "state"):
+                kind = "input" if leaves_as_inputs else n.op
+                new[n.id] = getattr(g, kind)(n.name, n.shape, dt(n.dtype))
+                continue
             if n.op == "const":
                 value = n.attrs["value"]
                 new[n.id] = g.const(value.astype(dt(value.dtype)))
@@ -80,6 +80,9 @@ def copy_graph(outputs: Sequence[Tensor], *, dtypes: Mapping | None = None,
                 new[n.id] = out
             else:
                 new[n.id] = apply(n.op, ins, **attrs)
+    for back, fwd in src.forward_partner.items():   # which forward node's VJP made each node
+        if back.id in new and fwd.id in new and back.id >= 0 and fwd.id >= 0:
+            g.forward_partner[new[back.id]] = new[fwd.id]
     return g, new
 
 
