@@ -1,6 +1,8 @@
 """Checkpoints: round trip, atomic writes, and corrupted/truncated/mismatched files that raise a
 ValueError naming the file while the live state stays byte-identical."""
+import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,6 +24,20 @@ def save(path, state, step=7, config=CONFIG):
     return save_checkpoint(path, state, step=step, config=config,
                            options={"lr": 1e-3, "batch_size": 4},
                            rng={"seed": 3}, sampler={"seed": 3, "step": step})
+
+
+def craft(path, tensors, **meta):
+    """A file a hostile or buggy writer could make: any metadata, with a valid checksum."""
+    import safetensors.numpy
+
+    from graphlm.io.checkpoint import FORMAT, VERSION, _digest
+    full = {"format": FORMAT, "version": str(VERSION), "step": "7", "config": json.dumps(CONFIG),
+            "options": "{}", "rng": "{}", "sampler": "{}", "extra": "{}"}
+    full.update(meta)
+    arrays = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+    full["checksum"] = _digest(full, arrays)
+    Path(path).write_bytes(safetensors.numpy.save(arrays, metadata=full))
+    return path
 
 
 def snapshot(state):
@@ -126,7 +142,7 @@ def test_non_finite_values_and_foreign_files(tmp_path):
 
     state = make_state(0)
     state["final_norm.bias"][1] = np.nan
-    save(tmp_path / "nan.safetensors", state)
+    craft(tmp_path / "nan.safetensors", state)   # (save_checkpoint itself refuses to write it)
     with pytest.raises(ValueError, match="'final_norm.bias' holds NaN"):
         read_checkpoint(tmp_path / "nan.safetensors")
     safetensors.numpy.save_file({"w": np.zeros(3, np.float32)}, str(tmp_path / "plain.safetensors"))

@@ -107,11 +107,17 @@ class GPTConfig:
     def from_dict(cls, d: Mapping[str, Any]) -> "GPTConfig":
         """The inverse of `to_dict`; unknown keys are an error (they would be silently lost).
         Missing keys take their defaults, so dicts written before a field existed still load
-        (a checkpoint without `mlp_hidden` has the default width)."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
+        (a checkpoint without `mlp_hidden` has the default width); a field without a default
+        must be there."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"GPTConfig: expected a mapping of fields, got {type(d).__name__}")
+        fields = dataclasses.fields(cls)
+        unknown = sorted(set(d) - {f.name for f in fields})
         if unknown:
-            raise ValueError(f"GPTConfig: unknown field(s) {', '.join(unknown)}")
+            raise ValueError(f"GPTConfig: unknown field(s) {', '.join(map(str, unknown))}")
+        missing = [f.name for f in fields if f.default is dataclasses.MISSING and f.name not in d]
+        if missing:
+            raise ValueError(f"GPTConfig: missing field(s) {', '.join(missing)}")
         return cls(**d)
 
     @classmethod
