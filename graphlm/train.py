@@ -398,18 +398,22 @@ def validate_training_metadata(ckpt) -> None:
     config they imply, the history, the best loss, the data identity); one ValueError naming the
     file and the field."""
     where = ckpt.path
+    try:
+        config = GPTConfig.upgrade_dict(ckpt.config)   # (fields added since: their defaults)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"checkpoint {where}: field config: {e}") from None
     if ckpt.options:
         try:
             options = TrainOptions.from_dict(ckpt.options)
-            implied = options.config()
+            implied = options.config().to_dict()
         except (ValueError, TypeError) as e:
             raise ValueError(f"checkpoint {where}: field options: {e}") from None
-        if implied.to_dict() != ckpt.config:
-            diff = sorted(k for k in ckpt.config if implied.to_dict().get(k) != ckpt.config.get(k))
+        if implied != config:
+            diff = sorted(k for k in config if implied.get(k) != config.get(k))
             raise ValueError(f"checkpoint {where}: field config does not match its options "
                              f"(preset {options.preset!r} with overrides gives "
-                             + ", ".join(f"{k}={implied.to_dict().get(k)!r}" for k in diff[:4])
-                             + ", the config says " + ", ".join(f"{k}={ckpt.config.get(k)!r}" for k in diff[:4]) + ")")
+                             + ", ".join(f"{k}={implied.get(k)!r}" for k in diff[:4])
+                             + ", the config says " + ", ".join(f"{k}={config.get(k)!r}" for k in diff[:4]) + ")")
     history = ckpt.extra.get("history", [])
     if not isinstance(history, list):
         raise _field_error(where, "extra.history", "a list of evaluations", history)
@@ -442,11 +446,8 @@ def checkpoint_model(ckpt) -> tuple[GPTConfig, dict[str, np.ndarray]]:
     GPTConfig (and the one its training options imply), every parameter is there with the
     model's shape and dtype. One ValueError naming the file and the field or tensor."""
     where = ckpt.path
-    try:
-        config = GPTConfig.from_dict(ckpt.config)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"checkpoint {where}: field config: {e}") from None
     validate_training_metadata(ckpt)
+    config = GPTConfig.from_dict(ckpt.config)
     params = {}
     for name, p in GPT(config).parameters().items():
         a = ckpt.tensors.get(name)

@@ -430,7 +430,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not isinstance(e, NativeUnavailable) or os.environ.get("GRAPHLM_DEBUG"):
             raise
         first = str(e).splitlines()[0] if str(e) else "the native executor is unavailable"
-        print(f"{prog}: error: {first} (use --executor numpy, which needs no C compiler)", file=sys.stderr)
+        hint = "" if "numpy executor" in first else " (--executor numpy needs no C compiler)"
+        print(f"{prog}: error: {first}{hint}", file=sys.stderr)
         return EXIT_FAILED
     except (ValueError, OSError, NotImplementedError) as e:
         if os.environ.get("GRAPHLM_DEBUG"):

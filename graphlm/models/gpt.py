@@ -168,19 +168,14 @@ class GPT(nn.Module):
 
     @classmethod
     def from_checkpoint(cls, path) -> tuple["GPT", dict[str, np.ndarray]]:
-        """The model of a training checkpoint and its parameter arrays (read and verified by
-        `graphlm.io.checkpoint.read_checkpoint`); a ValueError names the file and what is wrong."""
+        """The model of a training checkpoint and its parameter arrays, read and verified by
+        `graphlm.io.checkpoint.read_checkpoint` and validated by `graphlm.train.checkpoint_model`
+        (the config, its agreement with the training options, every parameter's shape and
+        dtype); a ValueError names the file and the field or tensor at fault."""
         from ..io.checkpoint import read_checkpoint
-        ckpt = read_checkpoint(path)
-        try:
-            model = cls(GPTConfig.from_dict(ckpt.config))
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"checkpoint {path}: bad model config ({e})") from None
-        names = list(model.parameters())
-        missing = [n for n in names if n not in ckpt.tensors]
-        if missing:
-            raise ValueError(f"checkpoint {path}: missing parameter(s) {', '.join(missing[:5])}")
-        return model, {n: ckpt.tensors[n] for n in names}
+        from ..train import checkpoint_model
+        config, params = checkpoint_model(read_checkpoint(path))
+        return cls(config), params
 
     def extra_repr(self):
         return repr(self.config)
