@@ -356,6 +356,21 @@ class Trainer:
             out["best"] = copy_checkpoint(out["last"], folder / BEST_NAME)
         return out
 
+    def sync_best(self, folder: str | Path) -> bool:
+        """After a resume: when the last checkpoint is also the best one but folder/BEST_NAME does
+        not hold it (the run was killed between writing the two), copy it; True when copied."""
+        folder = Path(folder)
+        last, best = folder / CHECKPOINT_NAME, folder / BEST_NAME
+        if self.best_step is None or self.best_step != self.saved_step or not last.exists():
+            return False
+        try:
+            if read_checkpoint(best).step == self.best_step:
+                return False
+        except ValueError:   # missing or damaged
+            pass
+        copy_checkpoint(last, best)
+        return True
+
     def load(self, path: str | Path, allow_other_data: bool = False) -> list[str]:
         """Restore params, moments, step and history from `path` (validated before anything
         changes). The checkpoint's data must be this trainer's (same size and hash) unless

@@ -162,6 +162,7 @@ def _run_locked(args) -> int:
     if args.resume:
         for note in trainer.load(ckpt_path, allow_other_data=args.allow_other_data):
             print(f"warning: {note}", file=log)
+        trainer.sync_best(out_dir)
     o, cfg = trainer.options, trainer.config
     tokens_per_step = o.batch_size * cfg.context_length
     print(f"graphlm train: {o.preset} ({trainer.model.parameter_count():,} params, T={cfg.context_length}, "
