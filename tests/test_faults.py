@@ -6,7 +6,6 @@ import re
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,10 +17,9 @@ from graphlm.io.runfolder import RunLock
 from graphlm.tools.cli import main as cli_main
 from graphlm.train import Diverged, Trainer, TrainOptions, checkpoint_model
 from tests.test_checkpoint import craft
+from tests.test_train import ROOT, TINY_FLAGS
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--context-length", "16", "--channels", "16", "--heads", "2", "--layers", "1",
-        "--batch-size", "4", "--warmup", "2", "--eval-batches", "2", "--executor", "numpy"]
+TINY = [*TINY_FLAGS, "--executor", "numpy"]   # 
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +152,7 @@ def test_resume_checks_steps_and_states_the_schedule_horizon(run_dir, capsys):
 def test_resume_notes_the_kept_horizon_and_auto_is_not_a_changed_executor(tmp_path, text, capsys):
     from graphlm.backends import default_executor
     out = tmp_path / "run"
-    assert cli_main(["train", *TINY[:-2], "--data", str(text), "--steps", "2", "--out", str(out)]) == 0
+    assert cli_main(["train", *TINY_FLAGS, "--data", str(text), "--steps", "2", "--out", str(out)]) == 0
     assert read_checkpoint(out / "checkpoint.safetensors").options["executor"] == default_executor()
     capsys.readouterr()
     assert cli_main(["train", "--resume", "--steps", "3", "--executor", "auto", "--out", str(out)]) == 0
@@ -323,7 +321,7 @@ def test_a_folder_others_can_write_is_never_loaded_from(tmp_path, native):
                                          ('"unterminated', "not a valid command line")])
 def test_native_unavailable_is_one_line_in_the_cli(tmp_path, text, cc, message):
     env = {"GRAPHLM_CACHE_DIR": str(tmp_path / "cache"), "CC": cc}
-    r = subprocess.run([sys.executable, "-m", "graphlm", "train", *TINY[:-1], "native", "--data", str(text),
+    r = subprocess.run([sys.executable, "-m", "graphlm", "train", *TINY_FLAGS, "--executor", "native", "--data", str(text),
                         "--steps", "1", "--out", str(tmp_path / "r")], env={**os.environ, **env},
                        capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert r.returncode == 1 and "Traceback" not in r.stderr
