@@ -48,7 +48,8 @@ from .random import MASK64, stream_base
 
 CHECKPOINT_NAME = "checkpoint.safetensors"   # the last state of the run: what --resume continues
 BEST_NAME = "best.safetensors"               # the state with the lowest validation loss so far
-# a validation loss this many times the best (and at least 1 nat above it) means the run diverged
+# a validation loss this many times the best (and at least 1 nat above it) means the run diverged;
+# before a best below ln(vocab_size) exists, that uniform-guessing loss is the reference
 DIVERGED_VAL_RATIO = 2.0
 
 
@@ -308,14 +309,19 @@ class Trainer:
     def divergence(self, loss: float | None = None, grad_norm: float | None = None,
                    val_loss: float | None = None) -> str | None:
         """Why the run has diverged, or None: a non-finite training loss or gradient norm, a
-        non-finite validation loss, or one DIVERGED_VAL_RATIO times the best (and 1 nat above)."""
+        non-finite validation loss, or one DIVERGED_VAL_RATIO times the best (and 1 nat above);
+        before any best below it, the reference is ln(vocab_size), uniform guessing."""
         for what, v in (("training loss", loss), ("gradient norm", grad_norm), ("validation loss", val_loss)):
             if v is not None and not math.isfinite(v):
                 return f"{what} {v}"
+        if val_loss is None:
+            return None
+        uniform = math.log(self.config.vocab_size)   # the loss of guessing uniformly (a fresh model's)
         best = self.best_val_loss
-        if val_loss is not None and math.isfinite(best) and val_loss > max(DIVERGED_VAL_RATIO * best, best + 1.0):
-            return (f"validation loss {val_loss:.5g} is far above the best {best:.5g} "
-                    f"(step {self.best_step})")
+        ref, what = (best, f"the best {best:.5g} (step {self.best_step})") if best < uniform else \
+            (uniform, f"ln(vocab_size) = {uniform:.5g}, the loss of uniform guessing")
+        if val_loss > max(DIVERGED_VAL_RATIO * ref, ref + 1.0):
+            return f"validation loss {val_loss:.5g} is far above {what}"
         return None
 
     def params(self) -> dict[str, np.ndarray]:

@@ -95,16 +95,26 @@ def test_a_nan_state_is_never_saved_and_the_good_checkpoint_stays(tmp_path, text
 
 def test_divergence_stops_the_run_and_keeps_the_best_checkpoint(tmp_path, text, capsys):
     out = tmp_path / "run"
-    assert train("--data", str(text), "--lr", "1e3", "--warmup", "0", "--clip-norm", "1e30",
-                 "--steps", "12", "--eval-every", "1", "--out", str(out)) != 0
+    blow_up = ["--lr", "1e3", "--warmup", "0", "--clip-norm", "1e30"]   # finite, but huge losses
+    assert train("--data", str(text), *blow_up, "--steps", "12", "--eval-every", "1", "--out", str(out)) != 0
     err = capsys.readouterr().err
-    assert "training diverged at step" in err and "stopped without saving this state" in err
-    assert "Traceback" not in err and "best checkpoint" in err
-    best, last = read_checkpoint(out / "best.safetensors"), read_checkpoint(out / "checkpoint.safetensors")
-    vals = {h["step"]: h["val_loss"] for h in last.extra["history"]}
-    assert best.step == min(vals, key=vals.get) and best.extra["best_val_loss"] == min(vals.values())
-    assert last.step < 12 and all(np.isfinite(v) for v in vals.values())
-    assert f"step {best.step}" in err
+    assert "training diverged at step 1: validation loss" in err and "uniform guessing" in err
+    assert "no checkpoint written" in err and not (out / "checkpoint.safetensors").exists()
+
+    out = tmp_path / "run2"
+    assert train("--data", str(text), "--steps", "4", "--eval-every", "1", "--out", str(out)) == 0
+    before = {name: (out / name).read_bytes() for name in ("checkpoint.safetensors", "best.safetensors")}
+    capsys.readouterr()
+    assert cli_main(["train", "--resume", *blow_up, "--steps", "12", "--out", str(out)]) != 0
+    err = capsys.readouterr().err
+    assert "training diverged at step 5" in err and "stopped without saving this state" in err
+    assert "is far above the best" in err and "Traceback" not in err
+    best = read_checkpoint(out / "best.safetensors")
+    assert f"last checkpoint {out / 'checkpoint.safetensors'} (step 4)" in err
+    assert f"best checkpoint {out / 'best.safetensors'} (step {best.step}" in err
+    assert before == {name: (out / name).read_bytes() for name in before}
+    vals = {h["step"]: h["val_loss"] for h in best.extra["history"]}
+    assert min(vals, key=vals.get) == best.step and best.extra["best_val_loss"] == pytest.approx(vals[best.step], abs=1e-5)
 
 
 def test_the_final_line_says_which_file_holds_what(tmp_path, text, capsys):

@@ -270,7 +270,7 @@ def _files_line(trainer: Trainer, last: Path, best: Path) -> str:
     if trainer.saved_step is not None and last.exists():
         parts.append(f"last checkpoint {last} (step {trainer.saved_step})")
     if trainer.best_step is not None and best.exists():
-        parts.append(f"best checkpoint {best} (step {trainer.best_step}, val loss {trainer.best_val_loss:.4f})")
+        parts.append(f"best checkpoint {best} (step {trainer.best_step}, val loss {trainer.best_val_loss:.5g})")
     return "; ".join(parts) if parts else "no checkpoint written"
 
 

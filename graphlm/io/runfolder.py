@@ -84,8 +84,11 @@ class RunLock:
         previous = _read_holder(fd)
         if previous.get("pid") not in (None, os.getpid()):
             self.stale = previous   # a lock file whose holder died without unlocking
+        prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
+        if prog == "__main__.py":   # python -m graphlm
+            prog = "graphlm"
         info = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(),
-                "command": " ".join(os.path.basename(a) if i == 0 else a for i, a in enumerate(sys.argv))}
+                "command": " ".join([prog, *sys.argv[1:]])}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(info).encode(), 0)
         self._fd = fd
