@@ -45,6 +45,7 @@ import stat
 import subprocess
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -160,6 +161,7 @@ def _compile(cc: list[str], target: Path) -> None:
                 os.chmod(tmp, 0o600)
                 record = tmp.with_name(tmp.name + ".json")
                 record.write_text(json.dumps(_file_identity(tmp)))
+                os.chmod(record, 0o600)   # (whatever the umask: _private must hold for both)
                 os.replace(record, _record_path(target))
                 os.replace(tmp, target)
                 return
@@ -197,9 +199,16 @@ def _usable_cache_dir() -> Path | None:
     folder = cache_dir()
     try:
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if not os.environ.get("GRAPHLM_CACHE_DIR") and not _private(folder) \
+                and folder.stat().st_uid == os.getuid():
+            folder.chmod(0o700)   # our own default cache made group-writable by a umask of 002
     except OSError:
         return None
-    return folder if _private(folder) and os.access(folder, os.W_OK | os.X_OK) else None
+    if _private(folder):
+        return folder if os.access(folder, os.W_OK | os.X_OK) else None
+    warnings.warn(f"graphlm: not loading native kernels from {folder}: other users can write there "
+                  "(building them in a private temporary folder instead)", RuntimeWarning, stacklevel=2)
+    return None
 
 
 def library():

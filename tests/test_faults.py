@@ -324,6 +324,7 @@ def test_a_folder_others_can_write_is_never_loaded_from(tmp_path, native):
     r = _native_run(env)
     assert r.returncode == 0 and r.stdout.strip() == "loaded", r.stderr
     assert so.read_bytes() == b"planted by another user"        # built elsewhere, not here
+    assert "other users can write there" in r.stderr
     assert not list(tmp_path.glob("graphlm-native-*"))           # and its temporary folder removed
 
 
@@ -336,3 +337,13 @@ def test_native_unavailable_is_one_line_in_the_cli(tmp_path, text, cc, message):
                        capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
+
+
+def test_the_default_cache_made_group_writable_by_a_umask_is_made_private_again(tmp_path, native):
+    cache = tmp_path / "xdg" / "graphlm"
+    cache.mkdir(parents=True)
+    cache.chmod(0o775)
+    env = {"XDG_CACHE_HOME": str(tmp_path / "xdg"), "GRAPHLM_CACHE_DIR": "", "TMPDIR": str(tmp_path)}
+    r = _native_run(env)
+    assert r.returncode == 0 and "other users can write" not in r.stderr, r.stderr
+    assert cache.stat().st_mode & 0o777 == 0o700 and list(cache.glob("native-*.so"))
