@@ -248,7 +248,8 @@ def _run_locked(args) -> int:
             if bar:
                 bar.close()
             print(f"interrupted at step {trainer.step}; checkpoint saved to {ckpt_path} "
-                  f"(continue with --resume --out {out_dir})", file=log, flush=True)
+                  f"(continue with --resume --out {out_dir}); {_files_line(trainer, ckpt_path, best_path)}",
+                  file=log, flush=True)
             return 130
     finally:
         signal.signal(signal.SIGINT, old_handler)
