@@ -2,6 +2,7 @@
 leaves a loadable checkpoint, and resuming after each kill reaches the same final bytes as a run
 never interrupted. The killed runs are forked from this process (no interpreter start per run),
 so 24 kills of a tiny model take seconds."""
+import json
 import os
 import random
 import signal
@@ -52,6 +53,16 @@ def _wait_for_a_new_save(path, pid, timeout=10.0):
         time.sleep(0.002)
 
 
+def _step_time(run, fallback):
+    """Seconds of one step and its save on this machine, from the run's log (its elapsed times
+    start after compiling, so they leave out the start-up), else `fallback`."""
+    try:
+        times = [json.loads(line)["elapsed_s"] for line in (run / "log.jsonl").read_text().splitlines()]
+        return min(fallback, (times[-1] - times[0]) / max(len(times) - 1, 1))
+    except (OSError, KeyError, ValueError, IndexError, TypeError):
+        return fallback
+
+
 def _tensors(path):
     ck = read_checkpoint(path)
     return ck.step, {k: v.tobytes() for k, v in ck.tensors.items()}, [(h["step"], h["val_loss"]) for h in ck.extra["history"]]
@@ -62,7 +73,9 @@ def test_sigkill_at_random_moments_never_loses_the_run(tmp_path):
     data.write_bytes(BUNDLED_CORPUS.read_bytes()[:3000])
     common = [*FLAGS, "--data", str(data)]
     ref = tmp_path / "ref"
+    start = time.perf_counter()
     assert cli_main(["train", *MODEL, *common, "--out", str(ref)]) == 0
+    step_time = _step_time(ref, (time.perf_counter() - start) / STEPS)
 
     out = tmp_path / "killed"
     rng = random.Random(19)
@@ -73,7 +86,7 @@ def test_sigkill_at_random_moments_never_loses_the_run(tmp_path):
         pid = _fork_train([*common, "--out", str(out), *(["--resume"] if resume else MODEL)])
         if rng.random() < 0.8:   # mostly: once it has saved a new step, at a random moment after
             _wait_for_a_new_save(out / "checkpoint.safetensors", pid)
-        time.sleep(rng.uniform(0.0, 0.03))
+        time.sleep(rng.uniform(0.0, 1.5 * step_time))   # anywhere in the next step or its save
         os.kill(pid, signal.SIGKILL)
         _, status = os.waitpid(pid, 0)
         if os.WIFEXITED(status):   # finished before the kill: start over would not test anything
