@@ -398,8 +398,8 @@ class Trainer:
                                  "file, or --allow-other-data to continue on this one (validation "
                                  "losses before and after are then not comparable)")
             notes.append(f"continuing on other data: {what}")
-        load_checkpoint(path, self.state, config=self.config.to_dict(),   # (re-verified; in place)
-                        upgrade_config=GPTConfig.upgrade_dict)
+        load_checkpoint(path, self.state, config=self.config.to_dict(),   # (in place)
+                        upgrade_config=GPTConfig.upgrade_dict, read=ckpt)
         self.step = self.saved_step = ckpt.step
         self.history = list(ckpt.extra.get("history", []))
         best = ckpt.extra.get("best_val_loss")

@@ -274,8 +274,10 @@ def copy_checkpoint(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
 
 def load_checkpoint(path: str | os.PathLike, state: MutableMapping[str, np.ndarray] | None = None,
                     *, config: Mapping[str, Any] | None = None,
-                    upgrade_config: Callable[[dict], dict] | None = None) -> Checkpoint:
+                    upgrade_config: Callable[[dict], dict] | None = None,
+                    read: Checkpoint | None = None) -> Checkpoint:
     """Read and verify `path`; with `state`, copy the tensors into its arrays in place.
+    `read`: the `read_checkpoint(path)` the caller already has (the file is not read again).
 
     Everything is checked before any array of `state` changes: the file's tensor names must
     be exactly `state`'s, with the same shapes and dtypes; with `config`, the saved model
@@ -283,7 +285,7 @@ def load_checkpoint(path: str | os.PathLike, state: MutableMapping[str, np.ndarr
     fields added since the file was written) has been applied to the saved one. On any problem a
     ValueError names the file and `state` is untouched.
     """
-    ckpt = read_checkpoint(path)
+    ckpt = read if read is not None else read_checkpoint(path)
     where = f"checkpoint {path}"
     if upgrade_config is not None:
         try:
