@@ -23,25 +23,34 @@ tests compare them with the reference within float32 tolerances.
 Building. The C file is compiled on first use (as tinygrad's CLANG back end does) with ``$CC``
 (default ``cc``) and ``-O3 -march=native``, into ``$GRAPHLM_CACHE_DIR`` (default
 ``~/.cache/graphlm``), named by a hash of the source, flags, compiler and CPU; later processes
-load the cached library. Without a working compiler, compiling a program raises
-`NativeUnavailable` saying what failed; the numpy executor needs none.
+load the cached library. Its size and sha256 are recorded beside it at build time
+(``native-KEY.so.json``) and checked before every load, with every kernel symbol: a truncated,
+damaged or incomplete file is built again, never mapped. A library is loaded only from a folder
+this user owns and no one else can write (the file and its record likewise); otherwise it is
+built in a private temporary folder that is removed once the library is loaded. Without a
+working compiler, compiling a program raises `NativeUnavailable` saying what failed; the numpy
+executor needs none.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
 import hashlib
+import json
 import os
 import platform
 import shlex
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 
 import numpy as np
 
+from graphlm.io.runfolder import remove_dead_temporaries
 from graphlm.ops import GELU_A, GELU_B, GELU_DA, GELU_DB, norm_parts
 from graphlm.random import stream_base
 
@@ -105,25 +114,101 @@ def _run_compiler(cmd: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
+def _compiler() -> list[str]:
+    """$CC as an argument list (it may carry a wrapper: "ccache gcc")."""
+    raw = os.environ.get("CC") or "cc"
+    try:
+        cc = shlex.split(raw)
+    except ValueError as e:
+        raise NativeUnavailable(f"the native executor could not use CC={raw!r}: it is not a valid "
+                                f"command line ({e}); set CC to a compiler such as gcc") from None
+    if not cc or shutil.which(cc[0]) is None:
+        raise NativeUnavailable(f"the native executor needs a C compiler: '{' '.join(cc) or raw}' was not "
+                                "found (install gcc or clang, or set CC to one; the numpy executor "
+                                "needs none)")
+    return cc
+
+
+def _record_path(target: Path) -> Path:
+    return target.with_name(target.name + ".json")
+
+
+def _file_identity(path: Path) -> dict:
+    data = path.read_bytes()
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _private(path: Path) -> bool:
+    """Whether only this user can change `path` (owned by us, not group- or world-writable)."""
+    try:
+        st = path.lstat()
+    except OSError:
+        return False
+    return (not stat.S_ISLNK(st.st_mode) and st.st_uid == os.getuid()
+            and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
+
+
 def _compile(cc: list[str], target: Path) -> None:
-    """Compile SOURCE into `target` (written whole or not at all)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
+    """Compile SOURCE into `target` (written whole or not at all), with its size and hash recorded
+    beside it (`_record_path`) so a later load can tell a damaged file from a good one."""
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     try:
         tried = []
         for extra in (HOST_FLAGS, ()):
-            cmd = [*cc, *FLAGS, *extra, str(SOURCE), "-o", tmp, "-lm"]
+            cmd = [*cc, *FLAGS, *extra, str(SOURCE), "-o", str(tmp), "-lm"]
             done = _run_compiler(cmd)
             if done.returncode == 0:
+                os.chmod(tmp, 0o600)
+                record = tmp.with_name(tmp.name + ".json")
+                record.write_text(json.dumps(_file_identity(tmp)))
+                os.chmod(record, 0o600)   # (whatever the umask: _private must hold for both)
+                os.replace(record, _record_path(target))
                 os.replace(tmp, target)
                 return
             tried.append(f"$ {' '.join(cmd)}\n{done.stderr.strip()[-2000:]}")
         raise NativeUnavailable("the native executor could not compile its kernels "
                                 f"({SOURCE.name}):\n" + "\n".join(tried))
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for leftover in (tmp, tmp.with_name(tmp.name + ".json")):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
+
+
+def _load_verified(target: Path):
+    """The library at `target` when it is ours, private, matches its recorded size and hash and
+    has every kernel; else None (missing or damaged: the caller builds it again). The hash is
+    checked before dlopen: a truncated file must not be mapped (its pages would SIGBUS)."""
+    record = _record_path(target)
+    if not (_private(target) and _private(record)):
+        return None
+    try:
+        expected = json.loads(record.read_text())
+        if _file_identity(target) != expected:
+            return None
+        lib = ctypes.CDLL(str(target))
+    except (OSError, ValueError):
+        return None
+    if not all(hasattr(lib, name) for name in SIGNATURES):
+        return None
+    return lib
+
+
+def _usable_cache_dir() -> Path | None:
+    """cache_dir(), created private (0700) if missing; None when it is unusable or others could
+    write there (a library must never be loaded from a folder another user can change)."""
+    folder = cache_dir()
+    try:
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if not os.environ.get("GRAPHLM_CACHE_DIR") and not _private(folder) \
+                and folder.stat().st_uid == os.getuid():
+            folder.chmod(0o700)   # our own default cache made group-writable by a umask of 002
+    except OSError:
+        return None
+    if _private(folder):
+        return folder if os.access(folder, os.W_OK | os.X_OK) else None
+    warnings.warn(f"graphlm: not loading native kernels from {folder}: other users can write there "
+                  "(building them in a private temporary folder instead)", RuntimeWarning, stacklevel=2)
+    return None
 
 
 def library():
@@ -144,34 +229,40 @@ def library():
 
 
 def _build_and_load():
-    cc = shlex.split(os.environ.get("CC") or "cc")   # (CC may carry a wrapper: "ccache gcc")
-    if not cc or shutil.which(cc[0]) is None:
-        raise NativeUnavailable(f"the native executor needs a C compiler: '{' '.join(cc)}' was not found "
-                                "(install gcc or clang, or set CC to one; the numpy executor "
-                                "needs none)")
+    cc = _compiler()
     try:
         version = _run_compiler([*cc, "--version"]).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise NativeUnavailable(f"the native executor could not run the C compiler '{' '.join(cc)}': {e}") from None
     key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS + HOST_FLAGS), " ".join(cc), version,
                                     _cpu_signature()]).encode()).hexdigest()[:20]
-    target = cache_dir() / f"native-{key}.so"
-    try:
-        lib = ctypes.CDLL(str(target)) if target.exists() else None
-    except OSError:   # a damaged cached file: built again below
+    name = f"native-{key}.so"
+    folder = _usable_cache_dir()
+    if folder is not None:
+        remove_dead_temporaries(folder, f".{name}.tmp-")
+        lib = _load_verified(folder / name)
+        if lib is None:   # missing or damaged: built again
+            try:
+                _compile(cc, folder / name)
+                lib = _load_verified(folder / name)
+            except OSError:
+                lib = None
+    else:
         lib = None
-    if lib is None:
+    if lib is None:   # no usable cache: build in a private temporary folder, removed once loaded
+        tmpdir = Path(tempfile.gettempdir())
+        remove_dead_temporaries(tmpdir, "graphlm-native-")
+        private = Path(tempfile.mkdtemp(prefix=f"graphlm-native-{os.getpid()}-"))
         try:
-            _compile(cc, target)
-        except OSError:   # an unwritable cache folder: build into a private temporary one
-            target = Path(tempfile.mkdtemp(prefix="graphlm-native-")) / target.name
-            _compile(cc, target)
-        try:
-            lib = ctypes.CDLL(str(target))
-        except OSError as e:
-            raise NativeUnavailable(f"the native executor could not load {target}: {e}") from None
-    for name, argtypes in SIGNATURES.items():
-        fn = getattr(lib, name)
+            _compile(cc, private / name)
+            lib = _load_verified(private / name)
+        finally:
+            shutil.rmtree(private, ignore_errors=True)   # (the loaded library stays mapped)
+        if lib is None:
+            raise NativeUnavailable(f"the native executor built {name} but could not load it (or it "
+                                    "lacks kernels); the numpy executor needs no C compiler")
+    for fn_name, argtypes in SIGNATURES.items():
+        fn = getattr(lib, fn_name)
         fn.argtypes, fn.restype = argtypes, None
     return lib
 

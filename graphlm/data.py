@@ -6,12 +6,14 @@ Every byte is a token (vocabulary 256), so any text round-trips through `encode`
 from __future__ import annotations
 
 import codecs
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from .io.files import read_regular
 from .random import mix64_array, stream_base
 
 VOCAB_SIZE = 256
@@ -57,15 +59,30 @@ class StreamDecoder:
 # -- corpora -------------------------------------------------------------------------------------
 @dataclass
 class Corpus:
-    """A tokenized text split into train and validation token arrays (90/10 by default)."""
+    """A tokenized text split into train and validation token arrays (90/10 by default).
+
+    `source` is the path as given, `path` the resolved absolute one, `sha256` the hash of the
+    bytes read: `identity()` is what a checkpoint records so that a resume can tell whether it
+    trains on the same data."""
 
     train: np.ndarray
     val: np.ndarray
     source: str
+    path: str = ""
+    sha256: str = ""
 
     @property
     def size(self) -> int:
         return self.train.size + self.val.size
+
+    def identity(self) -> dict:
+        """{"path", "bytes", "sha256"}: which data this is (the hash decides; the path says where)."""
+        return {"path": self.path or self.source, "bytes": int(self.size), "sha256": self.sha256}
+
+
+def same_data(a: dict, b: dict) -> bool:
+    """Whether two `Corpus.identity()` records name the same bytes (size and hash)."""
+    return a.get("bytes") == b.get("bytes") and a.get("sha256") == b.get("sha256")
 
 
 def load_corpus(path: str | os.PathLike | None = None, context_length: int = 128,
@@ -76,14 +93,7 @@ def load_corpus(path: str | os.PathLike | None = None, context_length: int = 128
     path = Path(path) if path is not None else BUNDLED_CORPUS
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise ValueError(f"data file {path}: no such file") from None
-    except IsADirectoryError:
-        raise ValueError(f"data file {path}: is a directory, expected a text file") from None
-    except OSError as e:
-        raise ValueError(f"data file {path}: cannot read it ({e.strerror or e})") from None
+    data = read_regular(path, "data file")   # (FIFOs and devices refused; the read is bounded)
     need = context_length + 1
     if not data:
         raise ValueError(f"data file {path} is empty; it needs at least {need} bytes "
@@ -96,7 +106,8 @@ def load_corpus(path: str | os.PathLike | None = None, context_length: int = 128
                          f"{n_train}/{n_val} (train/validation), but each part needs at least "
                          f"{need} bytes (context_length {context_length} + 1); the file needs at "
                          f"least {int(np.ceil(need / min(val_fraction, 1 - val_fraction)))} bytes")
-    return Corpus(tokens[:n_train], tokens[n_train:], str(path))
+    return Corpus(tokens[:n_train], tokens[n_train:], str(path), str(path.resolve()),
+                  hashlib.sha256(data).hexdigest())
 
 
 # -- batches -------------------------------------------------------------------------------------
@@ -149,4 +160,4 @@ def eval_batches(tokens: np.ndarray, batch_size: int, context_length: int, max_b
 
 
 __all__ = ["VOCAB_SIZE", "BUNDLED_CORPUS", "encode", "decode", "decode_bytes", "StreamDecoder",
-           "Corpus", "load_corpus", "BatchSampler", "eval_batches"]
+           "Corpus", "load_corpus", "same_data", "BatchSampler", "eval_batches"]

@@ -10,6 +10,7 @@ Leaves are nodes with no inputs: `input` (fed per run), `param` (trainable, pers
 from __future__ import annotations
 
 import contextlib
+import operator
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -217,10 +218,12 @@ class Graph:
             if name in other:
                 raise GraphError(f"{kind} '{name}': the name is already used by an {other_kind} "
                                  f"of graph '{self.name}'")
-        try:
-            shape = tuple(int(d) for d in shape)
+        try:   # operator.index: 2.7 or "3" is refused rather than truncated to a dimension
+            if isinstance(shape, (str, bytes)) or any(isinstance(d, (bool, np.bool_)) for d in shape):
+                raise TypeError
+            shape = tuple(operator.index(d) for d in shape)
         except TypeError:
-            raise ShapeError(f"{kind} '{name}': shape must be a sequence of ints, got {shape!r}")
+            raise ShapeError(f"{kind} '{name}': shape must be a sequence of ints, got {shape!r}") from None
         if any(d < 0 for d in shape):
             raise ShapeError(f"{kind} '{name}': negative dimension in {fmt_shape(shape)}")
         try:

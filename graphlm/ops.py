@@ -160,9 +160,20 @@ _binary("sub", lambda y, g: [unbroadcast(g, y.inputs[0].shape), unbroadcast(neg(
 _binary("mul", lambda y, g: [unbroadcast(g * y.inputs[1], y.inputs[0].shape),
                              unbroadcast(g * y.inputs[0], y.inputs[1].shape)],
         "a * b (broadcasting)", "g*b, g*a")
-_binary("div", lambda y, g: [unbroadcast(g / y.inputs[1], y.inputs[0].shape),
-                             unbroadcast(neg(g) * y / y.inputs[1], y.inputs[1].shape)],
-        "a / b (broadcasting)", "g/b, -g*y/b")
+def _infer_div(inputs, attrs):
+    """True division is a float op: integer a / b has no integer result dtype (NumPy would
+    return float64), so it is refused here rather than failing in an executor."""
+    shape, dtype = _infer_binary(inputs, attrs)
+    if np.dtype(dtype).kind != "f":
+        raise ShapeError(f"true division needs floating-point inputs, got {dtype} "
+                         f"{fmt_shape(inputs[0].shape)} / {fmt_shape(inputs[1].shape)} "
+                         "(cast both to float32 first)")
+    return shape, dtype
+
+
+register("div", _infer_div, vjp=lambda y, g: [unbroadcast(g / y.inputs[1], y.inputs[0].shape),
+                                              unbroadcast(neg(g) * y / y.inputs[1], y.inputs[1].shape)],
+         elementwise=True, inplace=True, doc="a / b (broadcasting; floating point)", vjp_doc="g/b, -g*y/b")
 
 
 def _maximum_vjp(y, g):

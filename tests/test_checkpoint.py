@@ -1,6 +1,8 @@
 """Checkpoints: round trip, atomic writes, and corrupted/truncated/mismatched files that raise a
 ValueError naming the file while the live state stays byte-identical."""
+import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,6 +24,20 @@ def save(path, state, step=7, config=CONFIG):
     return save_checkpoint(path, state, step=step, config=config,
                            options={"lr": 1e-3, "batch_size": 4},
                            rng={"seed": 3}, sampler={"seed": 3, "step": step})
+
+
+def craft(path, tensors, **meta):
+    """A file a hostile or buggy writer could make: any metadata, with a valid checksum."""
+    import safetensors.numpy
+
+    from graphlm.io.checkpoint import FORMAT, VERSION, _digest
+    full = {"format": FORMAT, "version": str(VERSION), "step": "7", "config": json.dumps(CONFIG),
+            "options": "{}", "rng": "{}", "sampler": "{}", "extra": "{}"}
+    full.update(meta)
+    arrays = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+    full["checksum"] = _digest(full, arrays)
+    Path(path).write_bytes(safetensors.numpy.save(arrays, metadata=full))
+    return path
 
 
 def snapshot(state):
@@ -126,9 +142,84 @@ def test_non_finite_values_and_foreign_files(tmp_path):
 
     state = make_state(0)
     state["final_norm.bias"][1] = np.nan
-    save(tmp_path / "nan.safetensors", state)
+    craft(tmp_path / "nan.safetensors", state)   # (save_checkpoint itself refuses to write it)
     with pytest.raises(ValueError, match="'final_norm.bias' holds NaN"):
         read_checkpoint(tmp_path / "nan.safetensors")
     safetensors.numpy.save_file({"w": np.zeros(3, np.float32)}, str(tmp_path / "plain.safetensors"))
     with pytest.raises(ValueError, match="plain.safetensors.*(not a graphlm checkpoint|metadata)"):
         read_checkpoint(tmp_path / "plain.safetensors")
+
+
+def test_a_non_finite_tensor_or_metadata_value_is_never_written(tmp_path):
+    path = tmp_path / "ckpt.safetensors"
+    save(path, make_state(0), step=2)
+    before = path.read_bytes()
+    state = make_state(1)
+    state["optimizer.m.token_embedding.weight"][0, 0] = np.inf
+    with pytest.raises(ValueError, match=r"not written: tensor 'optimizer.m.token_embedding.weight' holds NaN"):
+        save(path, state, step=3)
+    with pytest.raises(ValueError, match=r"not written: metadata field extra.history.0.val_loss is NaN"):
+        save_checkpoint(path, make_state(1), step=3, config=CONFIG,
+                        extra={"history": [{"val_loss": float("nan")}]})
+    assert path.read_bytes() == before and os.listdir(tmp_path) == ["ckpt.safetensors"]
+
+
+def test_non_regular_files_are_refused_without_reading(tmp_path):
+    import threading
+
+    fifo = tmp_path / "pipe.safetensors"
+    os.mkfifo(fifo)
+    result = {}
+
+    def read():
+        try:
+            read_checkpoint(fifo)
+        except ValueError as e:
+            result["error"] = str(e)
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "reading a FIFO blocked"
+    assert "pipe.safetensors: is a FIFO" in result["error"]
+    with pytest.raises(ValueError, match="/dev/zero: is a character device"):
+        read_checkpoint("/dev/zero")
+    with pytest.raises(ValueError, match="is a directory"):
+        read_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("meta, message", [
+    ({"config": json.dumps([1, 2])}, "field 'config' must be a JSON object, got list"),
+    ({"extra": "[" * 5000 + "]" * 5000}, "field 'extra' is nested deeper than 16"),
+    ({"extra": json.dumps({"a": [[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]})}, "'extra' is nested deeper"),
+    ({"step": "-3"}, "field 'step' must be an integer"),
+    ({"step": "1e9"}, "field 'step' must be an integer"),
+    ({"options": "{bad json"}, "field 'options' is not valid JSON"),
+])
+def test_crafted_metadata_with_a_valid_checksum_is_one_named_error(tmp_path, meta, message):
+    path = craft(tmp_path / "crafted.safetensors", make_state(0), **meta)
+    with pytest.raises(ValueError, match="crafted.safetensors") as e:
+        read_checkpoint(path)
+    assert message in str(e.value)
+
+
+def test_the_header_must_declare_exactly_the_bytes_that_follow(tmp_path):
+    path = tmp_path / "ckpt.safetensors"
+    save(path, make_state(0))
+    (tmp_path / "long.safetensors").write_bytes(path.read_bytes() + b"\0" * 64)
+    with pytest.raises(ValueError, match=r"long.safetensors: truncated or corrupted: the header declares"):
+        read_checkpoint(tmp_path / "long.safetensors")
+
+
+def test_a_save_removes_temporaries_of_dead_writers(tmp_path):
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    leftover = tmp_path / f".ckpt.safetensors.tmp-{dead}"
+    leftover.write_bytes(b"x" * 1000)          # what kill -9 during a save leaves
+    mine = tmp_path / f".ckpt.safetensors.tmp-{os.getppid()}"   # a live process's: kept
+    mine.write_bytes(b"y")
+    save(tmp_path / "ckpt.safetensors", make_state(0))
+    assert not leftover.exists() and mine.exists()

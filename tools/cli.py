@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
+from .argtypes import float_at_least, int_at_least, nonempty
+
 EXIT_USAGE, EXIT_FAILED, EXIT_NO_GRAPHVIZ = 2, 1, 3
 DEFAULT_PRESET = "tinylm"
 
@@ -152,7 +154,7 @@ def _check_out(path: str | None) -> Path | None:
 def _model_options(p: argparse.ArgumentParser, graph_default: str | None = "forward",
                    batch_default: int = 1) -> None:
     src = p.add_argument_group("model")
-    src.add_argument("--preset", default=None,
+    src.add_argument("--preset", type=nonempty, default=None,
                      help=f"a GPTConfig preset: tinylm, gpt2-small or book-gpt (default: {DEFAULT_PRESET})")
     src.add_argument("--config", metavar="JSON", default=None,
                      help="a JSON file or object of GPTConfig fields; may name a \"preset\" to "
@@ -161,9 +163,9 @@ def _model_options(p: argparse.ArgumentParser, graph_default: str | None = "forw
         src.add_argument("--graph", choices=("forward", "train"), default=graph_default,
                          help="forward: tokens -> logits in eval mode; train: + loss, backward "
                               "and AdamW update nodes (default: %(default)s)")
-    src.add_argument("--batch-size", type=int, default=batch_default,
+    src.add_argument("--batch-size", type=int_at_least(1), default=batch_default,
                      help="batch size B of the tokens input [B,T] (default: %(default)s)")
-    src.add_argument("--seq-len", type=int, default=None,
+    src.add_argument("--seq-len", type=int_at_least(1), default=None,
                      help="sequence length T (default: the config's context length)")
 
 
@@ -342,7 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: %(default)s)")
     p.add_argument("--format", choices=("svg", "png", "pdf", "dot", "html"), default=None,
                    help="output format (default: from the --out suffix)")
-    p.add_argument("--depth", type=int, default=None,
+    p.add_argument("--depth", type=int_at_least(0), default=None,
                    help="module levels drawn as clusters; deeper modules become one box each "
                         "with node and parameter counts (default: all levels; 1 for --graph "
                         "train without --scope)")
@@ -354,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", action="store_true",
                    help="annotate arena offsets, in-place nodes and views from the numpy "
                         "executor's memory plan (default: off)")
-    p.add_argument("--timeout", type=float, default=120.0,
+    p.add_argument("--timeout", type=float_at_least(0.0, strict=True), default=120.0,
                    help="seconds to let Graphviz run (default: %(default)s)")
     p.set_defaults(func=cmd_render)
 
@@ -362,7 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Count parameters by module (tied weights once), with the "
                        "analytic FLOPs per token of a forward pass and a training step.")
     _model_options(p, graph_default=None)
-    p.add_argument("--depth", type=int, default=None,
+    p.add_argument("--depth", type=int_at_least(0), default=None,
                    help="show modules down to this level (default: every parameter)")
     p.add_argument("--unfold", action="store_true",
                    help="print every block of a run of identical ones (default: one, "
@@ -385,7 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Statistics of a model's graph, from its nodes and its "
                        "networkx export.")
     _model_options(p)
-    p.add_argument("--top", type=int, default=None,
+    p.add_argument("--top", type=int_at_least(1), default=None,
                    help="show only the N most frequent ops (default: all)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text (default: off)")
     p.set_defaults(func=cmd_stats)
@@ -423,6 +425,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+    except RuntimeError as e:   # the native executor's NativeUnavailable: one line, not a traceback
+        from graphlm.executors.native import NativeUnavailable
+        if not isinstance(e, NativeUnavailable) or os.environ.get("GRAPHLM_DEBUG"):
+            raise
+        first = str(e).splitlines()[0] if str(e) else "the native executor is unavailable"
+        hint = "" if "numpy executor" in first else " (--executor numpy needs no C compiler)"
+        print(f"{prog}: error: {first}{hint}", file=sys.stderr)
+        return EXIT_FAILED
     except (ValueError, OSError, NotImplementedError) as e:
         if os.environ.get("GRAPHLM_DEBUG"):
             raise

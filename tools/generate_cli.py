@@ -40,9 +40,13 @@ def run(args) -> int:
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     check_sampling_options(args.temperature, args.top_k, args.top_p)
-    model, params = GPT.from_checkpoint(args.checkpoint)
+    model, params = GPT.from_checkpoint(args.checkpoint)   # (validated, naming the file)
     config = model.config
-    prompt = data.encode(args.prompt)
+    try:
+        prompt = data.encode(args.prompt)
+    except UnicodeEncodeError:
+        raise ValueError("--prompt is not valid UTF-8 text (give it in the terminal's UTF-8 "
+                         "encoding)") from None
     if prompt.size == 0:
         raise ValueError("--prompt is empty; give at least one character")
     if prompt.max() >= config.vocab_size:

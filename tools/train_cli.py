@@ -10,12 +10,17 @@ checkpoint in --out; a final line with the best validation loss, the time and th
 Ctrl-C finishes the current step, saves a checkpoint and exits (status 130); a second Ctrl-C
 stops at once. --max-minutes (14.5 by default) stops a run that would overrun, after a final
 validation and checkpoint. On --resume, options not given on the command line come from the checkpoint.
+
+The run folder belongs to this run: ``--out/run.lock`` is locked before anything is read or
+written and until the end, so a second run into it fails at once naming the holder. It holds
+``checkpoint.safetensors`` (the last state: what --resume continues) and ``best.safetensors``
+(the lowest validation loss so far). A diverged run (non-finite loss, or validation far above
+the best) stops with status 1 without saving that state; both files stay good.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import signal
 import sys
@@ -23,7 +28,10 @@ import time
 from pathlib import Path
 
 from graphlm.executors import numpy_executor
-from graphlm.train import CHECKPOINT_NAME, Trainer, TrainOptions, resume_options
+from graphlm.io.runfolder import RunLock
+from graphlm.train import BEST_NAME, CHECKPOINT_NAME, Diverged, Trainer, TrainOptions, resume_options
+
+from .argtypes import float_at_least, int_at_least, nonempty
 
 # command-line flag -> TrainOptions field (model fields go to TrainOptions.model)
 _OPTION_FLAGS = {"preset": "preset", "steps": "steps", "batch_size": "batch_size", "lr": "lr",
@@ -38,7 +46,7 @@ DEFAULTS = TrainOptions()
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = DEFAULTS
-    p.add_argument("--preset", help=f"model preset (default: {d.preset})")
+    p.add_argument("--preset", type=nonempty, help=f"model preset (default: {d.preset})")
     p.add_argument("--steps", type=int, help=f"total optimizer steps (default: {d.steps})")
     p.add_argument("--batch-size", type=int, help=f"sequences per step (default: {d.batch_size})")
     p.add_argument("--lr", type=float, help=f"peak learning rate (default: {d.lr})")
@@ -53,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/tinylm", help="run folder for checkpoints and the log "
                    "(default: runs/tinylm)")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    p.add_argument("--allow-other-data", action="store_true",
+                   help="with --resume: continue even though the data differs from the checkpoint's "
+                        "(default: refused, naming both)")
     p.add_argument("--eval-every", type=int, help=f"validate and checkpoint every K steps "
                    f"(default: {d.eval_every})")
     p.add_argument("--eval-batches", type=int,
@@ -71,9 +82,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="threads of the numpy and native executors, which split large kernels themselves and run "
                         "BLAS on one thread (default: the available cores, at most 4; results do "
                         "not depend on it; 0 = leave threading to OpenBLAS)")
-    p.add_argument("--max-minutes", type=float, default=14.5,
+    p.add_argument("--max-minutes", type=float_at_least(0.0), default=14.5,
                    help="stop (validate, save) after this much wall time (default: 14.5; 0 = no limit)")
-    p.add_argument("--log-every", type=int, default=0,
+    p.add_argument("--log-every", type=int_at_least(0), default=0,
                    help="plain log line every N steps (default: about 50 lines per run)")
     p.add_argument("--progress", choices=("auto", "bar", "log"), default="auto",
                    help="tqdm bar, plain log lines, or bar only on a terminal (default: auto)")
@@ -109,8 +120,19 @@ def _explicit(args) -> dict:
 
 def run(args) -> int:
     use_threads(args.threads)
+    if args.allow_other_data and not args.resume:
+        raise ValueError("--allow-other-data only applies with --resume")
+    with RunLock(args.out) as lock:   # held until the run ends: one run per folder
+        if lock.stale:
+            print(f"note: {Path(args.out)} was locked by pid {lock.stale.get('pid')}, which is no "
+                  "longer running; taking it over", file=sys.stderr)
+        return _run_locked(args)
+
+
+def _run_locked(args) -> int:
     out_dir = Path(args.out)
     ckpt_path = out_dir / CHECKPOINT_NAME
+    best_path = out_dir / BEST_NAME
     explicit = _explicit(args)
     log = sys.stderr
 
@@ -118,12 +140,16 @@ def run(args) -> int:
         if not ckpt_path.exists():
             raise ValueError(f"--resume: no checkpoint at {ckpt_path}")
         if "model" in explicit:
+            flags = [f"--{flag.replace('_', '-')}" for flag in _MODEL_FLAGS if getattr(args, flag) is not None]
             raise ValueError("--resume: the model comes from the checkpoint; drop the model options "
-                             f"({', '.join('--' + k.replace('_', '-') for k in explicit['model'])})")
-        options, changed = resume_options(ckpt_path, explicit)
+                             f"({', '.join(flags)})")
+        notes: list[str] = []
+        options, changed = resume_options(ckpt_path, explicit, notes)
         if changed:
             print(f"warning: resuming with changed {', '.join(changed)}: the run will not match "
                   "an uninterrupted one", file=log)
+        for note in notes:
+            print(f"note: {note}", file=log)
     else:
         if ckpt_path.exists():
             raise ValueError(f"{ckpt_path} already exists; pass --resume to continue that run or "
@@ -134,9 +160,10 @@ def run(args) -> int:
 
     trainer = Trainer(options)
     if args.resume:
-        trainer.load(ckpt_path)
+        for note in trainer.load(ckpt_path, allow_other_data=args.allow_other_data):
+            print(f"warning: {note}", file=log)
+        trainer.sync_best(out_dir)
     o, cfg = trainer.options, trainer.config
-    out_dir.mkdir(parents=True, exist_ok=True)
     tokens_per_step = o.batch_size * cfg.context_length
     print(f"graphlm train: {o.preset} ({trainer.model.parameter_count():,} params, T={cfg.context_length}, "
           f"C={cfg.channels}, H={cfg.head_count}, N={cfg.layer_count}, dropout={cfg.dropout}) on "
@@ -163,19 +190,30 @@ def run(args) -> int:
     rate = None
     log_file = open(out_dir / "log.jsonl", "a")
 
+    def diverged(why: str) -> Diverged:
+        return Diverged(f"training diverged at step {trainer.step}: {why}; stopped without saving "
+                        f"this state. {_files_line(trainer, ckpt_path, best_path)}; lower --lr "
+                        "(or raise --warmup) and start again")
+
     def evaluate_and_save():
         val = trainer.evaluate()
-        trainer.record_eval(val)
+        why = trainer.divergence(val_loss=val)
+        if why:
+            raise diverged(why)
+        is_best = trainer.record_eval(val)
         entry = {"step": trainer.step, "val_loss": round(val, 5),
                  "train_loss": round(sum(train_losses) / len(train_losses), 5) if train_losses else None,
                  "elapsed_s": round(time.perf_counter() - start, 1)}
         trainer.history[-1].update(entry)
         train_losses.clear()
-        trainer.save(ckpt_path)
+        try:
+            trainer.save_run(out_dir, is_best=is_best)
+        except Diverged as e:
+            raise diverged(str(e).split(": ", 1)[-1]) from None
         log_file.write(json.dumps(entry) + "\n")
         log_file.flush()
         msg = (f"step {trainer.step}/{o.steps}  val loss {val:.4f}  (best {trainer.best_val_loss:.4f})  "
-               f"checkpoint {ckpt_path}")
+               f"checkpoint {ckpt_path}" + (f" (and {best_path.name})" if is_best else ""))
         (bar.write(msg) if bar else print(msg, file=log, flush=True))
 
     try:
@@ -188,8 +226,9 @@ def run(args) -> int:
                     evaluate_and_save()
                 break
             r = trainer.train_step()
-            if not math.isfinite(r.loss):
-                raise ValueError(f"training diverged at step {r.step}: loss {r.loss}; lower --lr")
+            why = trainer.divergence(loss=r.loss, grad_norm=r.grad_norm)
+            if why:
+                raise diverged(why)
             train_losses.append(r.loss)
             tps = tokens_per_step / max(r.seconds, 1e-9)
             rate = tps if rate is None else 0.9 * rate + 0.1 * tps
@@ -202,11 +241,15 @@ def run(args) -> int:
             if r.step % o.eval_every == 0 or r.step == o.steps:
                 evaluate_and_save()
         if interrupted["flag"] and trainer.step < o.steps:
-            trainer.save(ckpt_path)
+            try:
+                trainer.save(ckpt_path)
+            except Diverged as e:
+                raise diverged(str(e).split(": ", 1)[-1]) from None
             if bar:
                 bar.close()
             print(f"interrupted at step {trainer.step}; checkpoint saved to {ckpt_path} "
-                  f"(continue with --resume --out {out_dir})", file=log, flush=True)
+                  f"(continue with --resume --out {out_dir}); {_files_line(trainer, ckpt_path, best_path)}",
+                  file=log, flush=True)
             return 130
     finally:
         signal.signal(signal.SIGINT, old_handler)
@@ -217,9 +260,19 @@ def run(args) -> int:
     best = min(trainer.history, key=lambda h: h["val_loss"]) if trainer.history else None
     best_txt = f"best val loss {best['val_loss']:.4f} at step {best['step']}" if best else "no validation"
     print(f"done: {best_txt}; {trainer.step} of {o.steps} steps, {elapsed:.1f} s this session; "
-          f"checkpoint {ckpt_path}",
+          f"{_files_line(trainer, ckpt_path, best_path)}",
           flush=True)
     return 0
+
+
+def _files_line(trainer: Trainer, last: Path, best: Path) -> str:
+    """Which file holds what: 'last checkpoint X (step N); best checkpoint Y (step M, val loss V)'."""
+    parts = []
+    if trainer.saved_step is not None and last.exists():
+        parts.append(f"last checkpoint {last} (step {trainer.saved_step})")
+    if trainer.best_step is not None and best.exists():
+        parts.append(f"best checkpoint {best} (step {trainer.best_step}, val loss {trainer.best_val_loss:.5g})")
+    return "; ".join(parts) if parts else "no checkpoint written"
 
 
 def main(argv=None) -> int:

@@ -20,6 +20,7 @@ import numpy as np
 
 from ..ir import fmt_shape
 from ..models.gpt import GPTConfig
+from .files import read_regular
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -30,10 +31,9 @@ def _read_config(path: str) -> GPTConfig:
     if not os.path.isfile(path):
         raise ValueError(f"{path}: file not found (a Hugging Face GPT-2 directory has "
                          f"{CONFIG_FILE} and {WEIGHTS_FILE})")
-    try:
-        with open(path, encoding="utf-8") as f:
-            raw = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    try:   # (a regular file of at most 1 MiB: a config is a few hundred bytes)
+        raw = json.loads(read_regular(path, "GPT-2 config", max_bytes=1 << 20).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise ValueError(f"{path}: cannot read the GPT-2 config: {e}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(raw).__name__}")

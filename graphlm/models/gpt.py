@@ -107,11 +107,17 @@ class GPTConfig:
     def from_dict(cls, d: Mapping[str, Any]) -> "GPTConfig":
         """The inverse of `to_dict`; unknown keys are an error (they would be silently lost).
         Missing keys take their defaults, so dicts written before a field existed still load
-        (a checkpoint without `mlp_hidden` has the default width)."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
+        (a checkpoint without `mlp_hidden` has the default width); a field without a default
+        must be there."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"GPTConfig: expected a mapping of fields, got {type(d).__name__}")
+        fields = dataclasses.fields(cls)
+        unknown = sorted(set(d) - {f.name for f in fields})
         if unknown:
-            raise ValueError(f"GPTConfig: unknown field(s) {', '.join(unknown)}")
+            raise ValueError(f"GPTConfig: unknown field(s) {', '.join(map(str, unknown))}")
+        missing = [f.name for f in fields if f.default is dataclasses.MISSING and f.name not in d]
+        if missing:
+            raise ValueError(f"GPTConfig: missing field(s) {', '.join(missing)}")
         return cls(**d)
 
     @classmethod
@@ -162,19 +168,14 @@ class GPT(nn.Module):
 
     @classmethod
     def from_checkpoint(cls, path) -> tuple["GPT", dict[str, np.ndarray]]:
-        """The model of a training checkpoint and its parameter arrays (read and verified by
-        `graphlm.io.checkpoint.read_checkpoint`); a ValueError names the file and what is wrong."""
+        """The model of a training checkpoint and its parameter arrays, read and verified by
+        `graphlm.io.checkpoint.read_checkpoint` and validated by `graphlm.train.checkpoint_model`
+        (the config, its agreement with the training options, every parameter's shape and
+        dtype); a ValueError names the file and the field or tensor at fault."""
         from ..io.checkpoint import read_checkpoint
-        ckpt = read_checkpoint(path)
-        try:
-            model = cls(GPTConfig.from_dict(ckpt.config))
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"checkpoint {path}: bad model config ({e})") from None
-        names = list(model.parameters())
-        missing = [n for n in names if n not in ckpt.tensors]
-        if missing:
-            raise ValueError(f"checkpoint {path}: missing parameter(s) {', '.join(missing[:5])}")
-        return model, {n: ckpt.tensors[n] for n in names}
+        from ..train import checkpoint_model
+        config, params = checkpoint_model(read_checkpoint(path))
+        return cls(config), params
 
     def extra_repr(self):
         return repr(self.config)
