@@ -197,6 +197,23 @@ def check_memory(config: GPTConfig, batch_size: int) -> None:
                          "--context-length or --batch-size")
 
 
+def train_step_graph(model: GPT, options: TrainOptions, seq_len: int | None = None):
+    """The graph of one training step of `model` under `options`: forward in train mode, loss,
+    backward, clipping and the AdamW update (warmup + cosine schedule fed per step). Returns
+    (graph, [loss, grad_norm, update], optimizer); `graphlm plan` draws this same graph."""
+    o = options
+    t = model.config.context_length if seq_len is None else int(seq_len)
+    optimizer = AdamW(lr=WarmupCosine(o.lr, o.warmup, o.horizon, o.min_lr_ratio),
+                      betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
+                      clip_norm=o.clip_norm)
+    g = Graph("train_step")
+    tokens = g.input("tokens", (o.batch_size, t), np.int64)
+    targets = g.input("targets", (o.batch_size, t), np.int64)
+    model.train()
+    step = optimizer.minimize(model.loss(tokens, targets))
+    return g, [step.loss, step.grad_norm, step.update], optimizer
+
+
 def dropout_key(seed: int, step: int) -> np.ndarray:
     """The dropout key of step `step`: a 63-bit hash of (seed, step)."""
     return np.asarray(stream_base((int(seed) ^ _DROPOUT_SALT) & MASK64, step) >> 1, np.int64)
@@ -233,9 +250,6 @@ class Trainer:
                              f"{10 * need:,} bytes or a smaller --batch-size / --context-length")
         self.model = GPT(config)
         self.sampler = data_mod.BatchSampler(self.corpus.train, o.batch_size, t, seed=o.seed)
-        self.schedule = WarmupCosine(o.lr, o.warmup, o.horizon, o.min_lr_ratio)
-        self.optimizer = AdamW(lr=self.schedule, betas=(o.beta1, o.beta2), eps=o.eps,
-                               weight_decay=o.weight_decay, clip_norm=o.clip_norm)
         if o.executor == "auto":   # the checkpoint records the executor that ran
             self.options = o = dataclasses.replace(o, executor=default_executor())
         executor = get_executor(o.executor)
@@ -254,14 +268,10 @@ class Trainer:
     def _compile(self, o: TrainOptions, executor, t: int) -> None:
         """The train and eval programs, and the state (params + moments) they share."""
         # the training step: forward + loss + backward + clip + update, one program
-        g = Graph("train_step")
-        tokens = g.input("tokens", (o.batch_size, t), np.int64)
-        targets = g.input("targets", (o.batch_size, t), np.int64)
-        self.model.train()
-        loss = self.model.loss(tokens, targets)
-        step = self.optimizer.minimize(loss)
+        g, outputs, self.optimizer = train_step_graph(self.model, o)
+        self.schedule = self.optimizer.lr
         self.train_graph = g
-        self.train_program = executor.compile(g, [loss, step.grad_norm, step.update])
+        self.train_program = executor.compile(g, outputs)
         self.uses_dropout = DROPOUT_KEY in g.inputs
 
         # evaluation: eval mode, loss only, reading the same params
@@ -481,6 +491,13 @@ def checkpoint_model(ckpt) -> tuple[GPTConfig, dict[str, np.ndarray]]:
     return config, params
 
 
+def _lr_at(saved: Mapping[str, Any], step: int, fallback: TrainOptions) -> float:
+    """The learning rate the checkpoint's own schedule gives at `step`."""
+    get = lambda k: saved.get(k, getattr(fallback, k))   # noqa: E731
+    return WarmupCosine(get("lr"), get("warmup"), int(saved.get("decay_steps") or get("steps")),
+                        get("min_lr_ratio"))(step)
+
+
 def resume_options(path: str | Path, overrides: Mapping[str, Any],
                    notes: list[str] | None = None) -> tuple[TrainOptions, list[str]]:
     """The options of the checkpoint at `path` with `overrides` (the ones given explicitly) on
@@ -508,14 +525,22 @@ def resume_options(path: str | Path, overrides: Mapping[str, Any],
     if notes is not None:
         old = saved.get("decay_steps")
         if "decay_steps" in changed:
+            before = _lr_at(saved, ckpt.step, options)
+            after = WarmupCosine(options.lr, options.warmup, options.horizon, options.min_lr_ratio)(ckpt.step)
             notes.append(f"the learning-rate schedule's cosine horizon changes from {old} to "
-                         f"{options.horizon} steps")
+                         f"{options.horizon} steps: at step {ckpt.step} the lr moves from "
+                         f"{before:.3e} to {after:.3e}")
         elif "steps" in overrides and old is not None and overrides["steps"] != old:
+            steps = overrides["steps"]
+            past = (f": the last {steps - old} steps train at the final lr "
+                    f"{options.lr * options.min_lr_ratio:.3e}; pass --decay-steps {steps} to stretch "
+                    "the schedule (the lr then changes from the resume step on)") if steps > old else \
+                "; pass --decay-steps to change it"
             notes.append(f"the learning-rate schedule keeps its cosine horizon of {old} steps from the "
-                         f"checkpoint (--steps is now {overrides['steps']}); pass --decay-steps to change it")
+                         f"checkpoint (--steps is now {steps}){past}")
     return options, changed
 
 
 __all__ = ["Trainer", "TrainOptions", "StepResult", "Diverged", "dropout_key", "resume_options",
            "validate_training_metadata", "checkpoint_model", "training_memory_bytes", "check_memory",
-           "CHECKPOINT_NAME", "BEST_NAME", "DIVERGED_VAL_RATIO"]
+           "train_step_graph", "CHECKPOINT_NAME", "BEST_NAME", "DIVERGED_VAL_RATIO"]

@@ -119,8 +119,8 @@ def test_stats_counts_agree_with_the_graph(capsys):
     code, out, _ = run(capsys, "stats", "--config", SMALL, "--graph", "train", "--json")
     assert code == 0
     data = json.loads(out)
-    config = GPTConfig.preset("tinylm", layer_count=1, context_length=16)
-    graph, _, _ = cli.build_model_graph(config, "train", 1)
+    config = GPTConfig.preset("tinylm", layer_count=1, context_length=16, dropout=0.0)  # train's
+    graph, _, _ = cli.build_model_graph(config, "train", 8)                   # and its batch size
     assert data["nodes"] == len(graph.nodes) == sum(data["by_kind"].values())
     assert data["by_op"] == dict(Counter(n.op for n in graph.nodes))
     assert data["edges"] == sum(len(n.inputs) for n in graph.nodes) - sum(
@@ -135,32 +135,44 @@ def test_stats_counts_agree_with_the_graph(capsys):
 
 # -- plan --------------------------------------------------------------------------------------------------
 def test_plan_report_and_pictures(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
     from graphlm import executors
+    from graphlm.backends import default_executor
 
     code, out, _ = run(capsys, "plan", "--config", SMALL, "--batch-size", "2", "--out",
                        str(tmp_path / "arena.svg"))
     assert code == 0
-    config = GPTConfig.preset("tinylm", layer_count=1, context_length=16)
+    # train's defaults: dropout 0.0 and train's executor
+    config = GPTConfig.preset("tinylm", layer_count=1, context_length=16, dropout=0.0)
     graph, outputs, _ = cli.build_model_graph(config, "train", 2)
-    plan = executors.get("numpy").compile(graph, outputs).plan
+    assert not any(n.op == "dropout" for n in graph.nodes)
+    assert f"{default_executor()} executor" in out.splitlines()[0]
+    plan = executors.get(default_executor()).compile(graph, outputs).plan
     assert f"({plan.arena_bytes:,} bytes)" in out
     assert re.search(rf"in place +{plan.inplace_count} ", out)
     assert re.search(rf"views +{plan.view_count} ", out)
     root = ET.parse(tmp_path / "arena.svg").getroot()
-    rects = [r for r in root.iter(f"{SVG}rect") if "buffer" in (r.get("class") or "")]
+    groups = {g.get("id"): g for g in root.iter(f"{SVG}g") if g.get("id")}
     drawn = sum(e.kind in ("arena", "inplace") for e in plan.entries.values()) + \
-        sum(b.scratch for b in plan.blocks)
-    assert len(rects) == drawn
-    # every buffer rectangle lies inside the plot and the arena
-    for r in rects:
-        assert float(r.get("width")) > 0 and float(r.get("height")) > 0
+        sum(b.scratch for b in plan.blocks if b.nbytes)
+    assert len(list(groups["buffers"])) == drawn                 # one rectangle per buffer
+    assert len(list(groups["live"].iter(f"{SVG}path"))) == 1     # the bytes-live line
+    texts = [t.text for t in root.iter(f"{SVG}text")]
+    assert "bytes live" in texts and "ran in place" in texts and "forward buffer" in texts
+    assert "optimizer update buffer" not in texts                # only kinds that occur
+    assert not any(t and "1000" in t for t in texts)             # ticks in whole units
     code, out, _ = run(capsys, "plan", "--config", SMALL, "--batch-size", "2", "--json")
     data = json.loads(out)
     assert data["arena_bytes"] == plan.arena_bytes and data["naive_bytes"] == plan.naive_bytes
     assert data["naive_over_arena"] == pytest.approx(plan.naive_bytes / plan.arena_bytes)
-    if HAVE_DOT:
-        code, _, _ = run(capsys, "plan", "--config", SMALL, "--out", str(tmp_path / "arena.png"))
-        assert code == 0 and (tmp_path / "arena.png").read_bytes()[:4] == b"\x89PNG"
+    # PNG and PDF come from the same drawing, no Graphviz needed
+    for name, magic in (("arena.png", b"\x89PNG"), ("arena.pdf", b"%PDF")):
+        code, _, _ = run(capsys, "plan", "--config", SMALL, "--out", str(tmp_path / name))
+        assert code == 0 and (tmp_path / name).read_bytes()[:4] == magic
+    # dropout and batch size from --config, as train would read them
+    code, out, _ = run(capsys, "plan", "--config", '{"layer_count": 1, "context_length": 16, '
+                       '"dropout": 0.1, "batch_size": 3}', "--executor", "numpy")
+    assert code == 0 and "batch 3, numpy executor" in out
 
 
 # -- render ------------------------------------------------------------------------------------------------
@@ -210,7 +222,18 @@ def test_missing_dot_through_the_console_entry_with_an_empty_path(tmp_path):
     (["params", "--config", "{\"preset\": \"tinylm\", \"channels\": 100}"], "divisible"),
     (["params", "--config", "/no/such/config.json"], "no such file '/no/such/config.json'"),
     (["params", "--config", "[1, 2]"], "expected a JSON object"),
-    (["params", "--preset", "tinylm", "--config", "{}"], "not both"),
+    (["params", "--preset", "tinylm", "--config", '{"preset": "gpt2-small"}'], "names preset 'gpt2-small' but --preset is 'tinylm'"),
+    (["params", "--config", '{"model": 3}'], "\"model\" must be an object"),
+    (["render", "--config", SMALL, "--out", "/tmp/x.dot", "--depth", "-1"], "argument --depth: must be an integer >= 0, got -1"),
+    (["train", "--config", '{"steps": 0}', "--out", "/tmp/graphlm-never-written"], "TrainOptions.steps must be an integer >= 1, got 0"),
+    (["train", "--config", '{"stepz": 5}', "--out", "/tmp/graphlm-never-written"], "unknown GPTConfig field(s) stepz"),
+    (["generate", "--top-p", "1.5"], "top_p"),
+    (["generate", "--temperature", "-1"], "temperature"),
+    (["generate", "--checkpoint", "/no/such.safetensors"], "--checkpoint: no such file '/no/such.safetensors'"),
+    (["export", "/no/such.safetensors", "--to", "gguf", "/tmp/x.gguf"], "CHECKPOINT: no such file"),
+    (["export", "/no/such.safetensors", "--to", "onnx", "/tmp/x"], "--to: unknown format 'onnx'"),
+    (["params", "--bogus"], "unrecognized arguments: --bogus (see 'graphlm params --help')"),
+    (["plan", "--batch-size", "x"], "argument --batch-size: must be an integer, got 'x'"),
     (["render", "--config", SMALL, "--out", "/no/such/dir/g.svg"], "directory '/no/such/dir' does not exist"),
     (["render", "--config", SMALL, "--out", "g.bmpx"], "output format"),
     (["render", "--config", SMALL, "--out", "/tmp/x.dot", "--scope", "blocks.9"], "no module scope 'blocks.9'"),
@@ -220,11 +243,15 @@ def test_missing_dot_through_the_console_entry_with_an_empty_path(tmp_path):
     (["generate", "--threads", "-2"], "--threads must be >= 0, got -2"),
 ])
 def test_errors_are_one_clear_line_and_nonzero(capsys, argv, message):
-    code, out, err = run(capsys, *argv)
-    assert code != 0
+    try:
+        code, out, err = run(capsys, *argv)
+    except SystemExit as stop:           # argparse's own errors exit from parse_args
+        code, err = stop.code, capsys.readouterr().err
+    assert code == cli.EXIT_USAGE, err   # bad input: 2
     line = one_line_error(err)
     assert line.startswith(f"graphlm {argv[0]}: error: ")
     assert message in line, line
+    assert not re.search(r"\b[A-Z][a-z]+(Error|Exception)\b", line), line   # no class names
 
 
 def test_bad_config_file_names_the_file(capsys, tmp_path):

@@ -1,5 +1,6 @@
 """The training step, bit-exact resume, and `graphlm train` / `graphlm generate` end to end at a
 tiny size (seconds)."""
+import json
 import os
 import signal
 import subprocess
@@ -124,7 +125,8 @@ def test_train_then_generate_end_to_end(tmp_path, small_text, capsys):
     assert "tokens/s" in captured.err
     last = captured.out.strip().splitlines()[-1]
     assert last.startswith("done: best val loss") and str(out / "checkpoint.safetensors") in last
-    assert len((out / "log.jsonl").read_text().splitlines()) == 2
+    kinds = [json.loads(line)["kind"] for line in (out / "log.jsonl").read_text().splitlines()]
+    assert kinds.count("train") == 8 and kinds.count("eval") == 2   # every step, every eval
     ckpt = out / "checkpoint.safetensors"
     args = ["generate", "--checkpoint", str(ckpt), "--prompt", "ROMEO:", "--max-new-tokens", "40",
             "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--seed", "2"]

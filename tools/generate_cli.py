@@ -18,10 +18,12 @@ from graphlm.sample import Generator, check_sampling_options
 
 from .train_cli import default_threads, use_threads
 
+DEFAULT_CHECKPOINT = "runs/tinylm/checkpoint.safetensors"
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", default="runs/tinylm/checkpoint.safetensors",
-                   help="a checkpoint written by `graphlm train` (default: runs/tinylm/checkpoint.safetensors)")
+    p.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT,
+                   help=f"a checkpoint written by `graphlm train` (default: {DEFAULT_CHECKPOINT})")
     p.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
     p.add_argument("--max-new-tokens", type=int, default=300, help="bytes to generate (default: 300)")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default: 0.8)")
@@ -40,7 +42,9 @@ def run(args) -> int:
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     check_sampling_options(args.temperature, args.top_k, args.top_p)
-    model, params = GPT.from_checkpoint(args.checkpoint)   # (validated, naming the file)
+    from .cli import require_file
+    checkpoint = require_file(args.checkpoint, "--checkpoint", DEFAULT_CHECKPOINT)
+    model, params = GPT.from_checkpoint(checkpoint)   # (validated, naming the file)
     config = model.config
     try:
         prompt = data.encode(args.prompt)

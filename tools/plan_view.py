@@ -2,7 +2,7 @@
 
     program = executors.get("numpy").compile(graph, outputs)
     print(format_plan(plan_report(program)))
-    write_arena_picture(program, "arena.svg")      # or .png (drawn by Graphviz)
+    write_arena_picture(program, "arena.svg")      # or .png / .pdf (matplotlib, one drawing)
 
 The picture puts the schedule step on the x axis and the byte offset in the arena on the y
 axis: every buffer is a rectangle from the step that writes it to the last step that reads it,
@@ -17,8 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .render import (GraphvizNotFound, RenderError, check_writable, find_dot,
-                     fmt_bytes, quote, write_atomic)
+from .render import RenderError, check_writable, fmt_bytes
 from .stats import node_kind
 
 DRAWN_KINDS = ("arena", "inplace")
@@ -124,180 +123,90 @@ def live_profile(rects: list[dict[str, Any]], steps: int) -> list[int]:
     return out
 
 
-W, H = 1100, 560            # plot area, pixels
-ML, MR, MT, MB = 90, 190, 48, 56
+def _byte_unit(top: int) -> tuple[int, str]:
+    """The largest of GiB, MiB, KiB, B of which `top` holds at least two."""
+    return next(((size, unit) for size, unit in ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"))
+                 if top >= 2 * size), (1, "B"))
 
 
-def _byte_ticks(top: int, count: int = 6) -> list[float]:
-    """Round tick values for a byte axis: whole KiB/MiB/GiB steps."""
-    unit = next((u for u in (1 << 30, 1 << 20, 1 << 10) if top >= 2 * u), 1)
-    return [t * unit for t in _ticks(top / unit, count)]
+LEGEND = (("forward", "forward buffer"), ("backward", "backward buffer"),
+          ("update", "optimizer update buffer"), ("input", "input buffer"), ("state", "state buffer"),
+          ("param", "parameter buffer"), ("const", "constant buffer"), ("scratch", "kernel scratch"))
 
 
-def _ticks(top: float, count: int = 6) -> list[float]:
-    if top <= 0:
-        return [0.0]
-    raw = top / count
-    mag = 10 ** len(str(int(raw))) / 10 if raw >= 1 else 1
-    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
-    ticks, t = [], 0.0
-    while t <= top * 1.0001:
-        ticks.append(t)
-        t += step
-    return ticks
+def draw_arena(program_or_plan, graph=None, title: str | None = None):
+    """The arena-over-time picture as a matplotlib figure (see the module docstring): one
+    rectangle per buffer (the collection with gid "buffers"), the bytes-live line, a legend of
+    the kinds that occur."""
+    from matplotlib.collections import PolyCollection
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
 
+    from .figure import pyplot
 
-def arena_svg(program_or_plan, graph=None, title: str | None = None) -> str:
-    """The arena-over-time picture as SVG text (see the module docstring)."""
+    plt = pyplot()
     plan, graph = _plan_and_graph(program_or_plan, graph)
     rects = arena_rectangles(plan, graph)
     steps = max(len(plan.schedule), 1)
     arena = max(int(plan.arena_bytes), max((r["offset"] + r["nbytes"] for r in rects), default=1), 1)
-    sx, sy = W / steps, H / arena
-    y = lambda off: MT + H - off * sy
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W + ML + MR}" height="{H + MT + MB}" '
-           f'viewBox="0 0 {W + ML + MR} {H + MT + MB}" font-family="Helvetica, Arial, sans-serif" '
-           f'font-size="12">',
-           f'<rect x="0" y="0" width="{W + ML + MR}" height="{H + MT + MB}" fill="white"/>']
-    report = plan_report(plan)
-    head = title or (f"arena {fmt_bytes(report['arena_bytes'])} over {report['steps']} steps: "
-                     f"lower bound {fmt_bytes(report['lower_bound_bytes'])} "
-                     f"(x{report['arena_over_lower_bound']:.3f}), naive "
-                     f"{fmt_bytes(report['naive_bytes'])} (x{report['naive_over_arena']:.2f})")
-    out.append(f'<text x="{ML}" y="24" font-size="15">{_x(head)}</text>')
-    out.append(f'<rect x="{ML}" y="{MT}" width="{W}" height="{H}" fill="#fafafa" stroke="#888"/>')
-    for t in _byte_ticks(arena):
-        yy = y(t)
-        out.append(f'<line x1="{ML - 5}" y1="{yy:.1f}" x2="{ML + W}" y2="{yy:.1f}" stroke="#e4e4e4"/>')
-        out.append(f'<text x="{ML - 8}" y="{yy + 4:.1f}" text-anchor="end">{_x(fmt_bytes(int(t)))}</text>')
-    for t in _ticks(steps, 10):
-        xx = ML + t * sx
-        out.append(f'<line x1="{xx:.1f}" y1="{MT + H}" x2="{xx:.1f}" y2="{MT + H + 5}" stroke="#888"/>')
-        out.append(f'<text x="{xx:.1f}" y="{MT + H + 19}" text-anchor="middle">{int(t)}</text>')
-    out.append(f'<text x="{ML + W / 2}" y="{MT + H + 42}" text-anchor="middle">schedule step</text>')
-    out.append(f'<text x="22" y="{MT + H / 2}" text-anchor="middle" transform="rotate(-90 22 '
-               f'{MT + H / 2})">arena byte offset</text>')
-    out.append('<g class="buffers">')
+    unit, unit_name = _byte_unit(arena)
+    fig, ax = plt.subplots(figsize=(11, 5.6))
+    polys = []
     for r in rects:
-        x0 = ML + r["first"] * sx
-        w = max((r["last"] - r["first"] + 1) * sx, 0.8)
-        h = max(r["nbytes"] * sy, 0.6)
-        stroke = ' stroke="#222" stroke-width="0.8"' if r["inplace"] else ' stroke="#ffffff" stroke-width="0.3"'
-        out.append(f'<rect class="buffer {r["kind"]}" x="{x0:.2f}" y="{y(r["offset"] + r["nbytes"]):.2f}" '
-                   f'width="{w:.2f}" height="{h:.2f}" fill="{COLOURS.get(r["kind"], "#999")}"{stroke}>'
-                   f'<title>{_x(r["label"])}: {r["nbytes"]:,} bytes at {r["offset"]:,}, steps '
-                   f'{r["first"]}-{r["last"]}{" (in place)" if r["inplace"] else ""}</title></rect>')
-    out.append('</g>')
+        x0, x1 = r["first"], r["last"] + 1
+        y0, y1 = r["offset"] / unit, (r["offset"] + r["nbytes"]) / unit
+        polys.append([(x0, y0), (x1, y0), (x1, y1), (x0, y1)])
+    faces = [COLOURS.get(r["kind"], "#999999") for r in rects]
+    edges = ["#222222" if r["inplace"] else "#ffffff" for r in rects]
+    widths = [0.8 if r["inplace"] else 0.2 for r in rects]
+    buffers = PolyCollection(polys, facecolors=faces, edgecolors=edges, linewidths=widths)
+    buffers.set_gid("buffers")
+    ax.add_collection(buffers)
     blocks = [b for b in getattr(plan, "blocks", []) if not getattr(b, "dedicated", False)]
     profile = live_profile([{"first": b.first, "last": b.last, "nbytes": b.nbytes} for b in blocks]
                            if blocks else rects, steps)
     if profile:
-        pts = " ".join(f"{ML + k * sx:.1f},{y(v):.1f} {ML + (k + 1) * sx:.1f},{y(v):.1f}"
-                       for k, v in enumerate(profile))
-        out.append(f'<polyline class="live" points="{pts}" fill="none" stroke="#111" stroke-width="1.2"/>')
-    lx, ly = ML + W + 16, MT + 6
-    legend = [(k, COLOURS[k], text) for k, text in
-              (("forward", "forward"), ("backward", "backward"), ("update", "optimizer update"),
-               ("scratch", "kernel scratch"))]
-    for i, (k, colour, text) in enumerate(legend):
-        out.append(f'<rect x="{lx}" y="{ly + i * 20}" width="14" height="14" fill="{colour}"/>')
-        out.append(f'<text x="{lx + 20}" y="{ly + i * 20 + 11}">{_x(text)} buffer</text>')
-    i = len(legend)
-    out.append(f'<rect x="{lx}" y="{ly + i * 20}" width="14" height="14" fill="#ddd" stroke="#222"/>')
-    out.append(f'<text x="{lx + 20}" y="{ly + i * 20 + 11}">ran in place</text>')
-    i += 1
-    out.append(f'<line x1="{lx}" y1="{ly + i * 20 + 7}" x2="{lx + 14}" y2="{ly + i * 20 + 7}" stroke="#111" stroke-width="1.2"/>')
-    out.append(f'<text x="{lx + 20}" y="{ly + i * 20 + 11}">bytes live</text>')
-    out.append("</svg>")
-    return "\n".join(out) + "\n"
-
-
-def _x(text: str) -> str:
-    return (str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
-            .replace('"', "&quot;"))
-
-
-def arena_dot(program_or_plan, graph=None) -> str:
-    """The same picture as a pinned-position Graphviz graph (``neato -n2``), for PNG output."""
-    plan, graph = _plan_and_graph(program_or_plan, graph)
-    rects = arena_rectangles(plan, graph)
-    steps = max(len(plan.schedule), 1)
-    arena = max(int(plan.arena_bytes), max((r["offset"] + r["nbytes"] for r in rects), default=1), 1)
-    sx, sy = W / steps, H / arena       # points: 1 px of the SVG = 1 pt here
-    top = MT + H + MB
-    lines = ['digraph arena {', '  graph [splines=false, bgcolor="white", pad="0.2"];',
-             '  node [shape=box, style="filled", label="", fixedsize=true, penwidth=0.3, color="white", fontname="Helvetica"];']
-    fy = lambda yy: top - yy                # Graphviz's y axis points up
-    lines.append(f'  frame [pos="{ML + W / 2:.1f},{fy(MT + H / 2):.1f}!", width={W / 72:.3f}, '
-                 f'height={H / 72:.3f}, fillcolor="#fafafa", color="#888888", penwidth=1];')
-    for i, r in enumerate(rects):
-        w = max((r["last"] - r["first"] + 1) * sx, 0.8)
-        h = max(r["nbytes"] * sy, 0.6)
-        cx = ML + r["first"] * sx + w / 2
-        cy = MT + H - (r["offset"] + r["nbytes"] / 2) * sy
-        edge = ', color="#222222", penwidth=0.8' if r["inplace"] else ""
-        lines.append(f'  r{i} [pos="{cx:.2f},{fy(cy):.2f}!", width={w / 72:.4f}, height={h / 72:.4f}, '
-                     f'fillcolor="{COLOURS.get(r["kind"], "#999999")}"{edge}];')
+        ax.step(range(len(profile) + 1), [v / unit for v in profile] + [profile[-1] / unit],
+                where="post", color="#111111", lw=1.1, gid="live")
+    ax.set_xlim(0, steps)
+    ax.set_ylim(0, arena / unit * 1.02)
+    ax.yaxis.set_major_locator(MaxNLocator(nbins=7, steps=[1, 2, 2.5, 5, 10]))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g} {unit_name}" if v else "0"))
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=10, integer=True))
+    ax.set_xlabel("schedule step")
+    ax.set_ylabel("arena byte offset")
+    ax.grid(True, axis="y", color="#e4e4e4", lw=0.6)
+    ax.set_axisbelow(True)
+    ax.set_facecolor("#fafafa")
     report = plan_report(plan)
-    text = (f"arena {fmt_bytes(report['arena_bytes'])} over {report['steps']} steps: lower bound "
-            f"{fmt_bytes(report['lower_bound_bytes'])} (x{report['arena_over_lower_bound']:.3f}), "
-            f"naive {fmt_bytes(report['naive_bytes'])} (x{report['naive_over_arena']:.2f})")
-    lines.append(f'  title [shape=plaintext, style="", fixedsize=false, label={quote(text)}, '
-                 f'fontsize=15, pos="{ML + W / 2:.1f},{fy(22):.1f}!"];')
-    for t in _byte_ticks(arena):
-        lines.append(f'  ty{int(t)} [shape=plaintext, style="", fixedsize=false, fontsize=11, '
-                     f'label={quote(fmt_bytes(int(t)))}, pos="{ML - 36:.1f},{fy(MT + H - t * sy):.1f}!"];')
-    for t in _ticks(steps, 10):
-        lines.append(f'  tx{int(t)} [shape=plaintext, style="", fixedsize=false, fontsize=11, '
-                     f'label="{int(t)}", pos="{ML + t * sx:.1f},{fy(MT + H + 16):.1f}!"];')
-    lines.append(f'  xl [shape=plaintext, style="", fixedsize=false, label="schedule step -> ;  '
-                 f'y: arena byte offset", pos="{ML + W / 2:.1f},{fy(MT + H + 40):.1f}!"];')
-    for i, (k, text) in enumerate((("forward", "forward"), ("backward", "backward"),
-                                   ("update", "optimizer update"), ("scratch", "kernel scratch"))):
-        lines.append(f'  lg{i} [pos="{ML + W + 24:.1f},{fy(MT + 12 + 20 * i):.1f}!", width=0.2, '
-                     f'height=0.2, fillcolor="{COLOURS[k]}"];')
-        lines.append(f'  lt{i} [shape=plaintext, style="", fixedsize=false, fontsize=11, '
-                     f'label={quote(text + " buffer")}, pos="{ML + W + 100:.1f},{fy(MT + 12 + 20 * i):.1f}!"];')
-    lines.append("}")
-    return "\n".join(lines) + "\n"
+    ax.set_title(title or (f"arena {fmt_bytes(report['arena_bytes'])} over {report['steps']:,} steps: "
+                           f"lower bound {fmt_bytes(report['lower_bound_bytes'])} "
+                           f"(x{report['arena_over_lower_bound']:.3f}), naive "
+                           f"{fmt_bytes(report['naive_bytes'])} (x{report['naive_over_arena']:.2f})"),
+                 fontsize=11, loc="left")
+    present = {r["kind"] for r in rects}
+    handles = [Patch(facecolor=COLOURS[k], label=text) for k, text in LEGEND if k in present]
+    if any(r["inplace"] for r in rects):
+        handles.append(Patch(facecolor="#dddddd", edgecolor="#222222", lw=0.8, label="ran in place"))
+    if profile:
+        handles.append(Line2D([], [], color="#111111", lw=1.1, label="bytes live"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=9)
+    return fig
 
 
-def write_arena_picture(program_or_plan, path, format: str | None = None, graph=None,
-                        timeout: float | None = 60.0) -> Path:
-    """Write the arena picture to `path`: SVG (written directly) or PNG (via Graphviz)."""
+def write_arena_picture(program_or_plan, path, format: str | None = None, graph=None) -> Path:
+    """Write the arena picture to `path`: .png, .svg or .pdf (matplotlib; one drawing for all)."""
+    from .figure import FigureError, figure_format, save_figure
+
     path = Path(path)
-    fmt = (format or path.suffix.lstrip(".")).lower()
-    if fmt not in ("svg", "png"):
-        raise RenderError(f"plan picture: cannot write '{path}': use a .svg or .png file")
-    check_writable(path)
-    if fmt == "svg":
-        write_atomic(path, arena_svg(program_or_plan, graph).encode())
-        return path
-    text = arena_dot(program_or_plan, graph)
-    if find_dot() is None:
-        svg = path.with_suffix(".svg")
-        write_atomic(svg, arena_svg(program_or_plan, graph).encode())
-        raise GraphvizNotFound(f"Graphviz is not installed, so no PNG; wrote the picture as {svg} "
-                               "instead; install Graphviz: apt-get install -y graphviz")
-    write_atomic(path, _neato(text, timeout))
-    return path
-
-
-def _neato(text: str, timeout) -> bytes:
-    import shutil
-    import subprocess
-
-    exe = shutil.which("neato") or shutil.which("dot")
-    args = [exe, "-n2", "-Tpng"] if exe.endswith("neato") else [exe, "-Kneato", "-n2", "-Tpng"]
     try:
-        proc = subprocess.run(args, input=text.encode(), capture_output=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise RenderError(f"Graphviz took longer than {timeout:g} s to draw the arena picture") from None
-    if proc.returncode != 0 or not proc.stdout:
-        msg = proc.stderr.decode(errors="replace").strip().splitlines()
-        raise RenderError(f"Graphviz failed drawing the arena picture: {msg[0] if msg else 'no output'}")
-    return proc.stdout
+        fmt = figure_format(path, format)
+    except FigureError as e:
+        raise RenderError(f"plan picture: {e}") from None
+    check_writable(path)
+    return save_figure(draw_arena(program_or_plan, graph), path, fmt)
 
 
-__all__ = ["plan_report", "format_plan", "arena_rectangles", "live_profile", "arena_svg",
-           "arena_dot", "write_arena_picture"]
+__all__ = ["plan_report", "format_plan", "arena_rectangles", "live_profile", "draw_arena",
+           "write_arena_picture"]

@@ -20,7 +20,6 @@ the best) stops with status 1 without saving that state; both files stay good.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
@@ -31,7 +30,9 @@ from graphlm.executors import numpy_executor
 from graphlm.io.runfolder import RunLock
 from graphlm.train import BEST_NAME, CHECKPOINT_NAME, Diverged, Trainer, TrainOptions, resume_options
 
+from . import train_feedback
 from .argtypes import float_at_least, int_at_least, nonempty
+from .run_log import LOG_NAME, RunLogger
 
 # command-line flag -> TrainOptions field (model fields go to TrainOptions.model)
 _OPTION_FLAGS = {"preset": "preset", "steps": "steps", "batch_size": "batch_size", "lr": "lr",
@@ -46,7 +47,13 @@ DEFAULTS = TrainOptions()
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = DEFAULTS
-    p.add_argument("--preset", type=nonempty, help=f"model preset (default: {d.preset})")
+    p.add_argument("--preset", type=nonempty, help=f"model preset: tinylm, tinylm-gpt2 (no LM-head "
+                   f"bias: exports to Hugging Face and GGUF) or gpt2-small (default: {d.preset})")
+    p.add_argument("--config", metavar="FILE|JSON",
+                   help="a JSON file or object of training options (steps, lr, batch_size, ...) "
+                        "and GPTConfig fields (layer_count, channels, ...) on top of --preset, "
+                        "e.g. '{\"layer_count\": 2, \"steps\": 300}'; flags given on the command "
+                        "line win (default: none)")
     p.add_argument("--steps", type=int, help=f"total optimizer steps (default: {d.steps})")
     p.add_argument("--batch-size", type=int, help=f"sequences per step (default: {d.batch_size})")
     p.add_argument("--lr", type=float, help=f"peak learning rate (default: {d.lr})")
@@ -72,11 +79,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--executor", help=f"native, numpy or reference (default: {d.executor}, the native "
                    "executor where a C compiler works, else numpy)")
     g = p.add_argument_group("model overrides of the preset")
-    g.add_argument("--context-length", type=int)
-    g.add_argument("--channels", type=int)
-    g.add_argument("--heads", type=int)
-    g.add_argument("--layers", type=int)
-    g.add_argument("--dropout", type=float)
+    g.add_argument("--context-length", type=int, help="tokens per sequence T (default: the preset's, 128)")
+    g.add_argument("--channels", type=int, help="embedding width C, a multiple of --heads "
+                   "(default: the preset's, 192)")
+    g.add_argument("--heads", type=int, help="attention heads H (default: the preset's, 6)")
+    g.add_argument("--layers", type=int, help="transformer blocks N (default: the preset's, 4)")
+    g.add_argument("--dropout", type=float, help=f"dropout probability (default: "
+                   f"{d.model.get('dropout', 'the preset')}; the preset says 0.1, but the default "
+                   "run underfits)")
     g.add_argument("--mlp-hidden", type=int, help="the MLP's hidden width (default: 4 x channels)")
     p.add_argument("--threads", type=int, default=default_threads(),
                    help="threads of the numpy and native executors, which split large kernels themselves and run "
@@ -88,6 +98,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="plain log line every N steps (default: about 50 lines per run)")
     p.add_argument("--progress", choices=("auto", "bar", "log"), default="auto",
                    help="tqdm bar, plain log lines, or bar only on a terminal (default: auto)")
+    p.add_argument("--peak-gflops", type=float, default=None,
+                   help="the FLOP/s peak that MFU is a fraction of, in GFLOP/s (default: measured "
+                        "at start, float32 matmul on one thread times --threads)")
+    p.add_argument("--no-plot", action="store_true",
+                   help="do not redraw RUN_DIR/loss.png at each evaluation (default: redraw it)")
 
 
 def default_threads() -> int:
@@ -107,12 +122,28 @@ def use_threads(n: int) -> None:
         numpy_executor.set_threads(n)
 
 
+def _model_option_name(field: str) -> str:
+    """How the user gave a GPTConfig field: its flag (--heads) or a --config key."""
+    flags = {f: "--" + flag.replace("_", "-") for flag, f in _MODEL_FLAGS.items()}
+    return flags.get(field, f"--config field {field}")
+
+
 def _explicit(args) -> dict:
-    """The options given on the command line (argparse defaults are None)."""
+    """The options given on the command line (argparse defaults are None), on top of --config's
+    (training options and model fields) when there is one."""
     out = {field: getattr(args, flag) for flag, field in _OPTION_FLAGS.items()
            if getattr(args, flag) is not None}
     model = {field: getattr(args, flag) for flag, field in _MODEL_FLAGS.items()
              if getattr(args, flag) is not None}
+    if getattr(args, "config", None) is not None:
+        from .cli import read_config_json, split_config
+
+        from_config = split_config(*read_config_json(args.config), preset=args.preset)
+        if "preset" not in out and from_config["preset"] != DEFAULTS.preset:
+            out["preset"] = from_config["preset"]
+        model = {**from_config.pop("model"), **model}
+        from_config.pop("preset")
+        out = {**from_config, **out}
     if model:
         out["model"] = model
     return out
@@ -140,9 +171,8 @@ def _run_locked(args) -> int:
         if not ckpt_path.exists():
             raise ValueError(f"--resume: no checkpoint at {ckpt_path}")
         if "model" in explicit:
-            flags = [f"--{flag.replace('_', '-')}" for flag in _MODEL_FLAGS if getattr(args, flag) is not None]
             raise ValueError("--resume: the model comes from the checkpoint; drop the model options "
-                             f"({', '.join(flags)})")
+                             f"({', '.join(_model_option_name(k) for k in explicit['model'])})")
         notes: list[str] = []
         options, changed = resume_options(ckpt_path, explicit, notes)
         if changed:
@@ -171,6 +201,12 @@ def _run_locked(args) -> int:
           f"val bytes); {o.steps} steps x {o.batch_size} x {cfg.context_length} tokens, lr {o.lr} "
           f"(warmup {o.warmup}, cosine to {o.horizon}), executor {o.executor}"
           + (f", resuming at step {trainer.step}" if args.resume else ""), file=log, flush=True)
+    for warning in train_feedback.option_warnings(o):
+        print(f"warning: {warning}", file=log, flush=True)
+    memory = train_feedback.memory_report(trainer)
+    print(train_feedback.format_memory(memory), file=log, flush=True)
+    peak = train_feedback.peak(args.peak_gflops, args.threads)
+    print(f"MFU is measured against {peak.describe()}", file=log, flush=True)
 
     use_bar = args.progress == "bar" or (args.progress == "auto" and sys.stderr.isatty())
     log_every = args.log_every or max(1, o.steps // 50)
@@ -188,7 +224,13 @@ def _run_locked(args) -> int:
     start = time.perf_counter()
     train_losses: list[float] = []
     rate = None
-    log_file = open(out_dir / "log.jsonl", "a")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    run_log = RunLogger(out_dir / LOG_NAME)
+    run_log.start(options=o.to_dict(), parameters=trainer.model.parameter_count(),
+                  flops_per_token=train_feedback.train_flops_per_token(cfg),
+                  tokens_per_step=tokens_per_step, peak=peak, step=trainer.step, memory=memory)
+    plotter = None if args.no_plot else train_feedback.LossPlotRefresher(out_dir, warn=lambda m: print(
+        f"warning: {m}", file=log, flush=True))
 
     def diverged(why: str) -> Diverged:
         return Diverged(f"training diverged at step {trainer.step}: {why}; stopped without saving "
@@ -201,17 +243,16 @@ def _run_locked(args) -> int:
         if why:
             raise diverged(why)
         is_best = trainer.record_eval(val)
-        entry = {"step": trainer.step, "val_loss": round(val, 5),
-                 "train_loss": round(sum(train_losses) / len(train_losses), 5) if train_losses else None,
-                 "elapsed_s": round(time.perf_counter() - start, 1)}
-        trainer.history[-1].update(entry)
+        train_loss = sum(train_losses) / len(train_losses) if train_losses else None
+        entry = run_log.eval(trainer.step, val, train_loss, time.perf_counter() - start)
+        trainer.history[-1].update({k: entry[k] for k in ("train_loss", "elapsed_s")})  # val_loss unrounded
         train_losses.clear()
         try:
             trainer.save_run(out_dir, is_best=is_best)
         except Diverged as e:
             raise diverged(str(e).split(": ", 1)[-1]) from None
-        log_file.write(json.dumps(entry) + "\n")
-        log_file.flush()
+        if plotter is not None:
+            plotter.refresh()
         msg = (f"step {trainer.step}/{o.steps}  val loss {val:.4f}  (best {trainer.best_val_loss:.4f})  "
                f"checkpoint {ckpt_path}" + (f" (and {best_path.name})" if is_best else ""))
         (bar.write(msg) if bar else print(msg, file=log, flush=True))
@@ -230,14 +271,18 @@ def _run_locked(args) -> int:
             if why:
                 raise diverged(why)
             train_losses.append(r.loss)
-            tps = tokens_per_step / max(r.seconds, 1e-9)
+            tps = run_log.train(r, time.perf_counter() - start)["tokens_per_s"]
             rate = tps if rate is None else 0.9 * rate + 0.1 * tps
+            speed = run_log.throughput(tokens_per_step / rate)    # GFLOP/s and MFU at the smoothed rate
             if bar:
-                bar.set_postfix(loss=f"{r.loss:.4f}", tok_s=f"{rate:,.0f}", lr=f"{r.lr:.2e}", refresh=False)
+                bar.set_postfix({"loss": f"{r.loss:.4f}", "tok/s": f"{rate:,.0f}", "lr": f"{r.lr:.2e}",
+                                 "GFLOP/s": f"{speed['gflops']:.1f}", "MFU": f"{speed['mfu']:.0%}"},
+                                refresh=False)
                 bar.update(1)
             elif r.step % log_every == 0 or r.step == 1:
                 print(f"step {r.step}/{o.steps}  loss {r.loss:.4f}  grad norm {r.grad_norm:.3f}  "
-                      f"lr {r.lr:.3e}  {rate:,.0f} tokens/s", file=log, flush=True)
+                      f"lr {r.lr:.3e}  {rate:,.0f} tokens/s  {speed['gflops']:.1f} GFLOP/s  "
+                      f"MFU {speed['mfu']:.1%}", file=log, flush=True)
             if r.step % o.eval_every == 0 or r.step == o.steps:
                 evaluate_and_save()
         if interrupted["flag"] and trainer.step < o.steps:
@@ -255,7 +300,7 @@ def _run_locked(args) -> int:
         signal.signal(signal.SIGINT, old_handler)
         if bar:
             bar.close()
-        log_file.close()
+        run_log.close()
     elapsed = time.perf_counter() - start
     best = min(trainer.history, key=lambda h: h["val_loss"]) if trainer.history else None
     best_txt = f"best val loss {best['val_loss']:.4f} at step {best['step']}" if best else "no validation"

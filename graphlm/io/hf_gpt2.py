@@ -3,8 +3,9 @@
 Hugging Face's GPT-2 uses Conv1D layers that store weights ``[in, out]`` and apply ``x @ W + b``;
 graphlm's Linear stores ``[out, in]`` and applies ``x @ W.T + b``, so those weights are transposed.
 The fused ``c_attn`` weight ``[C, 3C]`` computes ``[q | k | v] = x @ c_attn``; graphlm's
-``qkv_weight[j]`` is applied as ``x @ W[j]``, so ``W[j] = c_attn[:, j*C:(j+1)*C]``. The LM head is
-tied to ``wte`` and has no bias.
+``qkv_weight[j]`` is applied as ``x @ W[j]``, so ``W[j] = c_attn[:, j*C:(j+1)*C]``. The LM head
+has no bias; it is tied to ``wte`` unless config.json says ``"tie_word_embeddings": false`` (then
+it is ``lm_head.weight``, as graphlm.io.export writes an untied model).
 
     config, params = load_hf_gpt2("gpt2/")
     model = GPT(config)
@@ -24,6 +25,7 @@ from .files import read_regular
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+LM_HEAD_KEY = "lm_head.weight"     # an untied head (config "tie_word_embeddings": false)
 _GELU = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "gelu": "none"}
 
 
@@ -59,7 +61,7 @@ def _read_config(path: str) -> GPTConfig:
             dropout=0.0,  # an imported model is for inference/fine-tuning; set it with replace()
             layer_norm_epsilon=field("layer_norm_epsilon", default=1e-5),
             gelu_approximate=_GELU[act],
-            tie_weights=True,
+            tie_weights=bool(field("tie_word_embeddings", default=True)),
             lm_head_bias=False,
             mlp_hidden=raw.get("n_inner"),  # null in GPT-2's own configs: 4 * n_embd
         )
@@ -67,34 +69,46 @@ def _read_config(path: str) -> GPTConfig:
         raise ValueError(f"{path}: {e}") from None
 
 
-def hf_gpt2_mapping(config: GPTConfig) -> dict[str, tuple[str, Callable[[np.ndarray], np.ndarray], tuple]]:
-    """graphlm name -> (HF key without prefix, transform of the HF array, expected HF shape)."""
+def hf_gpt2_layout(config: GPTConfig) -> dict[str, tuple[str, Callable, Callable, tuple]]:
+    """graphlm name -> (HF key without the ``transformer.`` prefix, HF array -> graphlm array,
+    graphlm array -> HF array, HF shape): the one description of the layout, read by the
+    importer and by graphlm.io.export. An untied head is ``lm_head.weight`` (never prefixed)."""
     c, v, t, f = config.channels, config.vocab_size, config.context_length, config.mlp_width
     ident = lambda a: a  # noqa: E731
     out = {
-        "token_embedding.weight": ("wte.weight", ident, (v, c)),
-        "positional_embedding.table.weight": ("wpe.weight", ident, (t, c)),
+        "token_embedding.weight": ("wte.weight", ident, ident, (v, c)),
+        "positional_embedding.table.weight": ("wpe.weight", ident, ident, (t, c)),
     }
     for i in range(config.layer_count):
         h, b = f"h.{i}.", f"blocks.{i}."
         out.update({
-            b + "attention_norm.weight": (h + "ln_1.weight", ident, (c,)),
-            b + "attention_norm.bias": (h + "ln_1.bias", ident, (c,)),
+            b + "attention_norm.weight": (h + "ln_1.weight", ident, ident, (c,)),
+            b + "attention_norm.bias": (h + "ln_1.bias", ident, ident, (c,)),
             b + "attention.qkv_weight": (h + "attn.c_attn.weight",
-                                         lambda a: a.reshape(c, 3, c).transpose(1, 0, 2), (c, 3 * c)),
-            b + "attention.qkv_bias": (h + "attn.c_attn.bias", lambda a: a.reshape(3, c), (3 * c,)),
-            b + "attention.output.weight": (h + "attn.c_proj.weight", np.transpose, (c, c)),
-            b + "attention.output.bias": (h + "attn.c_proj.bias", ident, (c,)),
-            b + "mlp_norm.weight": (h + "ln_2.weight", ident, (c,)),
-            b + "mlp_norm.bias": (h + "ln_2.bias", ident, (c,)),
-            b + "mlp_input.weight": (h + "mlp.c_fc.weight", np.transpose, (c, f)),
-            b + "mlp_input.bias": (h + "mlp.c_fc.bias", ident, (f,)),
-            b + "mlp_output.weight": (h + "mlp.c_proj.weight", np.transpose, (f, c)),
-            b + "mlp_output.bias": (h + "mlp.c_proj.bias", ident, (c,)),
+                                         lambda a: a.reshape(c, 3, c).transpose(1, 0, 2),
+                                         lambda w: w.transpose(1, 0, 2).reshape(c, 3 * c), (c, 3 * c)),
+            b + "attention.qkv_bias": (h + "attn.c_attn.bias", lambda a: a.reshape(3, c),
+                                       lambda w: w.reshape(3 * c), (3 * c,)),
+            b + "attention.output.weight": (h + "attn.c_proj.weight", np.transpose, np.transpose, (c, c)),
+            b + "attention.output.bias": (h + "attn.c_proj.bias", ident, ident, (c,)),
+            b + "mlp_norm.weight": (h + "ln_2.weight", ident, ident, (c,)),
+            b + "mlp_norm.bias": (h + "ln_2.bias", ident, ident, (c,)),
+            b + "mlp_input.weight": (h + "mlp.c_fc.weight", np.transpose, np.transpose, (c, f)),
+            b + "mlp_input.bias": (h + "mlp.c_fc.bias", ident, ident, (f,)),
+            b + "mlp_output.weight": (h + "mlp.c_proj.weight", np.transpose, np.transpose, (f, c)),
+            b + "mlp_output.bias": (h + "mlp.c_proj.bias", ident, ident, (c,)),
         })
-    out["final_norm.weight"] = ("ln_f.weight", ident, (c,))
-    out["final_norm.bias"] = ("ln_f.bias", ident, (c,))
+    out["final_norm.weight"] = ("ln_f.weight", ident, ident, (c,))
+    out["final_norm.bias"] = ("ln_f.bias", ident, ident, (c,))
+    if not config.tie_weights:
+        out["language_model_head.weight"] = (LM_HEAD_KEY, ident, ident, (v, c))
     return out
+
+
+def hf_gpt2_mapping(config: GPTConfig) -> dict[str, tuple[str, Callable[[np.ndarray], np.ndarray], tuple]]:
+    """graphlm name -> (HF key without prefix, transform of the HF array, expected HF shape)."""
+    return {name: (key, to_graphlm, shape)
+            for name, (key, to_graphlm, _, shape) in hf_gpt2_layout(config).items()}
 
 
 def load_hf_gpt2(directory: str | os.PathLike) -> tuple[GPTConfig, dict[str, np.ndarray]]:
@@ -115,7 +129,7 @@ def load_hf_gpt2(directory: str | os.PathLike) -> tuple[GPTConfig, dict[str, np.
             keys = set(f.keys())
             prefix = "transformer." if "transformer.wte.weight" in keys else ""
             for name, (key, transform, shape) in hf_gpt2_mapping(config).items():
-                full = prefix + key
+                full = key if key == LM_HEAD_KEY else prefix + key
                 if full not in keys:
                     raise ValueError(f"{path}: missing tensor {full!r} (needed for {name})")
                 arr = f.get_tensor(full)
@@ -135,4 +149,4 @@ def load_hf_gpt2(directory: str | os.PathLike) -> tuple[GPTConfig, dict[str, np.
     return config, params
 
 
-__all__ = ["load_hf_gpt2", "hf_gpt2_mapping"]
+__all__ = ["load_hf_gpt2", "hf_gpt2_mapping", "hf_gpt2_layout", "LM_HEAD_KEY"]

@@ -133,6 +133,9 @@ class GPTConfig:
 _PRESETS: dict[str, dict[str, Any]] = {
     "tinylm": dict(vocab_size=256, context_length=128, channels=192, head_count=6, layer_count=4,
                    dropout=0.1),
+    # TinyLM in GPT-2's exact layout (no LM-head bias): exports to Hugging Face and GGUF as is
+    "tinylm-gpt2": dict(vocab_size=256, context_length=128, channels=192, head_count=6,
+                        layer_count=4, dropout=0.1, lm_head_bias=False),
     "gpt2-small": dict(vocab_size=50257, context_length=1024, channels=768, head_count=12,
                        layer_count=12, tie_weights=True, lm_head_bias=False),
     # the book's chapter 26.5 (137_Gpt.c): VOCAB 8, SL 6, DM 8, NH 2, DF 16, N_BLOCKS 2; pre-norm
