@@ -1,8 +1,14 @@
 """Sampling speed at batch 1: graphlm (native or numpy executor) vs PyTorch eager, with and without a KV cache,
-on the same TinyLM weights. Prints a table and writes JSON (``--json PATH``, default stdout only).
+on the same TinyLM weights; and graphlm's batched sampling (``--batch N``, `graphlm generate --num-samples N`)
+against its batch 1. Prints a table and writes JSON (``--json PATH``, default stdout only).
 
     python benchmarks/generate.py [--checkpoint runs/tinylm/checkpoint.safetensors]
-        [--prompt-length 16] [--new-tokens 100] [--threads 1] [--repeats 3]
+        [--prompt-length 16] [--new-tokens 100] [--threads 1] [--repeats 3] [--batch 8]
+
+Batched: "graphlm_kv_cache_batchN" is the decode step of N rows (tokens/s = N / step time);
+"sampling_batch1" / "sampling_batchN" time `Generator.generate_batch` end to end (temperature 0.8,
+top-k 40: token choice included, compiling excluded), tokens/s over all rows; the ratio of the two
+is what `--num-samples N` gains over N runs.
 
 Both frameworks decode greedily from the same prompt; the script checks that they choose the
 same tokens (so both do the same work) before it reports. "KV cache" is per-token decode after
@@ -91,17 +97,27 @@ def torch_decode(tm, torch, prompt, n, cached: bool):
 
 
 # -- graphlm ----------------------------------------------------------------------------------------
-def graphlm_cached(model, params, prompt, n):
-    gen = Generator(model, params, executor=EXECUTOR)
+def graphlm_cached(model, params, prompt, n, batch=1):
+    gen = Generator(model, params, batch_size=batch, executor=EXECUTOR)
     seq = list(prompt)
     times = []
-    logits = gen.prefill(np.asarray([seq]))
+    logits = gen.prefill(np.tile(np.asarray([seq]), (batch, 1)))
     for _ in range(n):
-        seq.append(int(np.argmax(logits[0])))
+        row = np.argmax(logits, axis=-1)
+        seq.append(int(row[0]))
         t0 = time.perf_counter()
-        logits = gen.decode(np.asarray([seq[-1]]))
+        logits = gen.decode(row)
         times.append(time.perf_counter() - t0)
     return seq[len(prompt):], times
+
+
+def graphlm_sampling(gen, prompt, n):
+    """Seconds of one `generate_batch` (compile excluded) and its rows' tokens."""
+    compiled = gen.compile_seconds
+    t0 = time.perf_counter()
+    samples = gen.generate_batch(prompt, n, temperature=0.8, top_k=40, seed=1)
+    seconds = time.perf_counter() - t0 - (gen.compile_seconds - compiled)
+    return [s.tokens for s in samples], seconds
 
 
 def graphlm_no_cache(model, params, prompt, n):
@@ -138,6 +154,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="runs per variant; the median per-token time is kept")
     ap.add_argument("--executor", choices=["native", "numpy"], default="native",
                     help="graphlm's executor (default native: numpy's plan with C kernels)")
+    ap.add_argument("--batch", type=int, default=8,
+                    help="also time graphlm's batched decode and sampling of this many rows against batch 1 "
+                         "(default 8; 1 = off)")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args(argv)
     EXECUTOR = args.executor
@@ -168,20 +187,38 @@ def main(argv=None) -> int:
         "graphlm_no_cache": lambda: graphlm_no_cache(model, params, prompt, args.new_tokens),
         "torch_no_cache": lambda: torch_decode(tm, torch, prompt, args.new_tokens, False),
     }
-    tokens, per_token = {}, {k: [] for k in variants}
+    b = args.batch
+    if b > 1:
+        variants[f"graphlm_kv_cache_batch{b}"] = lambda: graphlm_cached(model, params, prompt, args.new_tokens, b)
+    gens = {k: Generator(model, params, batch_size=k, executor=EXECUTOR) for k in ((1, b) if b > 1 else ())}
+    tokens, per_token, sampling = {}, {k: [] for k in variants}, {k: [] for k in gens}
     for _ in range(args.repeats):             # alternate the variants so load hits them alike
         for name, fn in variants.items():
             toks, times = fn()
             tokens[name] = toks
             per_token[name].append(statistics.median(times))
+        for k, gen in gens.items():
+            rows, seconds = graphlm_sampling(gen, prompt, args.new_tokens)
+            sampling[k].append(sum(map(len, rows)) / seconds)
     agree = {k: tokens[k] == tokens["torch_kv_cache"] for k in tokens}
     result = {"executor": EXECUTOR, "config": config.to_dict(), "prompt_length": args.prompt_length,
               "new_tokens": args.new_tokens, "threads": args.threads, "repeats": args.repeats,
               "same_greedy_tokens_as_torch": agree, "variants": {}}
     for name in variants:
         ms = statistics.median(per_token[name]) * 1e3
-        result["variants"][name] = {"ms_per_token": round(ms, 3), "tokens_per_s": round(1e3 / ms, 1)}
+        rows = b if name.endswith(f"_batch{b}") else 1
+        result["variants"][name] = {"ms_per_token": round(ms, 3), "tokens_per_s": round(rows * 1e3 / ms, 1),
+                                    "batch": rows}
     v = result["variants"]
+    if gens:
+        rate = {k: statistics.median(r) for k, r in sampling.items()}
+        result["batched"] = {
+            "batch": b,
+            "decode_tokens_per_s_vs_batch1": round(v[f"graphlm_kv_cache_batch{b}"]["tokens_per_s"]
+                                                   / v["graphlm_kv_cache"]["tokens_per_s"], 2),
+            "sampling_tokens_per_s": {f"batch{k}": round(r, 1) for k, r in rate.items()},
+            "sampling_tokens_per_s_vs_batch1": round(rate[b] / rate[1], 2),
+            "sampling_options": {"temperature": 0.8, "top_k": 40, "seed": 1}}
     result["speedup_kv_cache_vs_torch"] = round(v["graphlm_kv_cache"]["tokens_per_s"] / v["torch_kv_cache"]["tokens_per_s"], 3)
     result["speedup_no_cache_vs_torch"] = round(v["graphlm_no_cache"]["tokens_per_s"] / v["torch_no_cache"]["tokens_per_s"], 3)
 
@@ -190,6 +227,11 @@ def main(argv=None) -> int:
         print(f"{name:<20} {r['ms_per_token']:>9.3f} {r['tokens_per_s']:>9.1f}  {agree[name]}")
     print(f"graphlm / torch tokens/s: KV cache {result['speedup_kv_cache_vs_torch']}x, "
           f"no cache {result['speedup_no_cache_vs_torch']}x")
+    if gens:
+        r = result["batched"]
+        print(f"batch {b} vs 1, tokens/s: decode step {r['decode_tokens_per_s_vs_batch1']}x; sampling "
+              f"(generate_batch) {r['sampling_tokens_per_s'][f'batch{b}']} vs {r['sampling_tokens_per_s']['batch1']}"
+              f" = {r['sampling_tokens_per_s_vs_batch1']}x")
     print(json.dumps(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

@@ -98,12 +98,20 @@ def apply_repetition_penalty(logits: np.ndarray, seen, penalty: float) -> np.nda
     """Hugging Face's repetition penalty (Keskar et al. 2019): for every id in `seen` (ids
     already in the context; repeats count once), a positive logit is divided by `penalty` and a
     negative one multiplied by it. Returns a new array; ids outside `logits` are ignored."""
-    out = np.array(logits, dtype=np.float32)
-    ids = np.unique(np.asarray(seen, dtype=np.int64).reshape(-1))
-    ids = ids[(ids >= 0) & (ids < out.size)]
-    s = out[ids]
-    out[ids] = np.where(s < 0, s * np.float32(penalty), s / np.float32(penalty))
-    return out
+    z = np.array(logits, dtype=np.float32).reshape(1, -1)
+    return _penalise(z, _seen_mask(seen, z.shape[1]), penalty).reshape(np.shape(logits))
+
+
+def _seen_mask(ids, width: int) -> np.ndarray:
+    """[1, width] bool: True at the ids in `ids` that are in [0, width)."""
+    mask = np.zeros((1, width), bool)
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    mask[0, ids[(ids >= 0) & (ids < width)]] = True
+    return mask
+
+
+def _penalise(z: np.ndarray, seen: np.ndarray, penalty: float) -> np.ndarray:
+    return np.where(seen, np.where(z < 0, z * np.float32(penalty), z / np.float32(penalty)), z)
 
 
 def choose_token(logits: np.ndarray, temperature: float = 1.0, top_k: int | None = None,
@@ -112,43 +120,65 @@ def choose_token(logits: np.ndarray, temperature: float = 1.0, top_k: int | None
     """One token id from logits [V] (the module docstring gives the order of the rules).
 
     `seen`: ids already in the context, for the repetition penalty. `token_limit`: only ids
-    below it are chosen. A draw needs `rng` (temperature > 0)."""
-    z = np.asarray(logits, dtype=np.float32).reshape(-1)
+    below it are chosen. A draw needs `rng` (temperature > 0). The one-row case of
+    `choose_tokens`."""
+    z = np.asarray(logits, dtype=np.float32).reshape(1, -1)
+    mask = None
+    if repetition_penalty != 1.0 and seen is not None:
+        mask = _seen_mask(seen, z.shape[1])
+    return int(choose_tokens(z, temperature, top_k, top_p, None if rng is None else [rng],
+                             repetition_penalty=repetition_penalty, seen=mask,
+                             token_limit=token_limit)[0])
+
+
+def choose_tokens(logits: np.ndarray, temperature: float = 1.0, top_k: int | None = None,
+                  top_p: float | None = None, rngs: Sequence[SplitMix64] | None = None, *,
+                  repetition_penalty: float = 1.0, seen: np.ndarray | None = None,
+                  token_limit: int | None = None) -> np.ndarray:
+    """One token id per row of logits [B, V], row i drawing from ``rngs[i]``; each row is
+    chosen exactly as `choose_token` chooses it alone, with the array work done once for the
+    batch. `seen`: [B, V] bool, the ids already in each row's context."""
+    z = np.asarray(logits, dtype=np.float32)
+    if z.ndim != 2:
+        raise ValueError(f"choose_tokens: logits must be [B, V], got shape {fmt_shape(z.shape)}")
     if token_limit is not None:
-        z = z[:int(token_limit)]
-    if z.size == 0:
+        z = z[:, :int(token_limit)]
+    if z.shape[1] == 0:
         raise ValueError("choose_token: no token to choose from (empty logits or token_limit 0)")
     if np.isnan(z).any():
         raise ValueError("choose_token: the logits hold NaN (is the model diverged?)")
     if repetition_penalty != 1.0 and seen is not None:
-        z = apply_repetition_penalty(z, seen, repetition_penalty)
-    top = z.max()
-    if top == -np.inf:
+        z = _penalise(z, np.asarray(seen, bool)[:, :z.shape[1]], repetition_penalty)
+    top = z.max(axis=1, keepdims=True)
+    if (top == -np.inf).any():
         raise ValueError("choose_token: every allowed logit is -inf")
-    if top == np.inf:   # the +inf logits share all the mass
-        z, top = np.where(z == np.inf, np.float32(0), np.float32(-np.inf)), np.float32(0)
+    infinite = top == np.inf
+    if infinite.any():   # the +inf logits of such a row share all its mass
+        z = np.where(infinite, np.where(z == np.inf, np.float32(0), np.float32(-np.inf)), z)
+        top = np.where(infinite, np.float32(0), top)
     t = np.float32(temperature) if temperature <= _FLOAT32_MAX else np.float32(np.inf)
-    if t == 0:          # greedy; also the limit of a temperature that float32 cannot hold
-        return int(np.argmax(z))
-    if rng is None:
-        raise ValueError("choose_token: sampling at temperature > 0 needs an rng")
-    if np.isinf(t):     # the limit of a huge temperature: uniform over the allowed logits
+    if t == 0:           # greedy; also the limit of a temperature that float32 cannot hold
+        return np.argmax(z, axis=1)
+    if rngs is None or len(rngs) != z.shape[0]:
+        raise ValueError("choose_token: sampling at temperature > 0 needs an rng per row")
+    if np.isinf(t):      # the limit of a huge temperature: uniform over the allowed logits
         z = np.where(z > -np.inf, np.float32(0), np.float32(-np.inf))
     else:
         with np.errstate(over="ignore"):   # a tiny temperature sends the others to -inf: their limit
-            z = (z - top) / t              # <= 0, the largest exactly 0
-    order = np.argsort(-z, kind="stable")
+            z = (z - top) / t              # <= 0, each row's largest exactly 0
+    order = np.argsort(-z, axis=1, kind="stable")
     if top_k is not None and top_k > 0:
-        order = order[:top_k]
-    p = np.exp(z[order])                   # p[0] = 1; underflow to 0 is the limit too
-    keep = int(np.count_nonzero(p))        # descending, so the nonzero ones are a prefix
-    order, p = order[:keep], p[:keep] / p[:keep].sum()
-    if top_p is not None and top_p < 1.0:
-        cut = int(np.searchsorted(np.cumsum(p), np.float32(top_p))) + 1
-        order, p = order[:cut], p[:cut] / p[:cut].sum()
-    u = np.float32(rng.unit())
-    i = min(int(np.searchsorted(np.cumsum(p), u, side="right")), len(order) - 1)
-    return int(order[i])
+        order = order[:, :top_k]
+    p = np.exp(np.take_along_axis(z, order, axis=1))    # p[:, 0] = 1; underflow to 0 is a limit too
+    valid = np.count_nonzero(p, axis=1)                 # descending: the nonzero ones are a prefix
+    p /= p.sum(axis=1, keepdims=True)
+    if top_p is not None and top_p < 1.0:               # the smallest prefix reaching top_p
+        valid = np.minimum(valid, np.count_nonzero(np.cumsum(p, axis=1) < np.float32(top_p), axis=1) + 1)
+        p = np.where(np.arange(p.shape[1]) < valid[:, None], p, np.float32(0))
+        p /= p.sum(axis=1, keepdims=True)
+    u = np.array([[r.unit()] for r in rngs], np.float32)
+    i = np.minimum(np.count_nonzero(np.cumsum(p, axis=1) <= u, axis=1), valid - 1)
+    return np.take_along_axis(order, i[:, None], axis=1)[:, 0]
 
 
 # ================================================================================================
@@ -168,15 +198,13 @@ class Sample:
 
 
 class _Row:
-    """The running state of one row of a batch: context, output, its random stream, the ids
-    it has seen (repetition penalty), and its text cut at the first stop string."""
+    """The running state of one row of a batch: context, output, its random stream, and its
+    text cut at the first stop string."""
 
-    def __init__(self, prompt: list[int], seed: int, vocab_size: int, tokenizer, stop: tuple[str, ...]):
+    def __init__(self, prompt: list[int], seed: int, tokenizer, stop: tuple[str, ...]):
         self.context = list(prompt)
         self.sample = Sample(text="" if tokenizer is not None else None)
         self.rng = SplitMix64(seed)
-        self.seen = np.zeros(vocab_size, bool)
-        self.seen[np.asarray(prompt)] = True
         self.stream = tokenizer.stream() if tokenizer is not None else None
         self.stop, self._longest = stop, max((len(x) for x in stop), default=0)
         self._scan = 0
@@ -186,7 +214,6 @@ class _Row:
         """Append `token`; returns the text it adds (cut at a stop string)."""
         self.context.append(token)
         self.sample.tokens.append(token)
-        self.seen[token] = True
         if token in stop_token_ids:
             self.done, self.sample.finish_reason = True, "stop_token"
             return ""
@@ -359,21 +386,24 @@ class Generator:
         if bad:
             raise ValueError(f"generate: prompt id {bad[0][1]} at position {bad[0][0]} is outside "
                              f"the vocabulary [0, {v})")
-        rows = [_Row(seq, seed + i, v, tokenizer, stop) for i in range(self.batch_size)]
+        rows = [_Row(seq, seed + i, tokenizer, stop) for i in range(self.batch_size)]
         if n == 0:
             return [r.sample for r in rows]
+        seen = np.zeros((self.batch_size, v), bool)     # ids in each row's context (the penalty)
+        seen[:, seq] = True
         t = self.context_length
         logits = self.prefill(np.asarray([r.context[-t:] for r in rows]))
-        penalty = repetition_penalty != 1.0
         for step in range(n):
-            for i, row in enumerate(rows):
-                if row.done:
-                    row.context.append(row.context[-1])   # keeps the batch aligned; not output
-                    continue
-                token = choose_token(logits[i], temperature, top_k, top_p, row.rng,
-                                     repetition_penalty=repetition_penalty,
-                                     seen=np.flatnonzero(row.seen) if penalty else None,
-                                     token_limit=token_limit)
+            active = [i for i, r in enumerate(rows) if not r.done]
+            for r in rows:
+                if r.done:
+                    r.context.append(r.context[-1])   # keeps the batch aligned; not output
+            chosen = choose_tokens(logits[active], temperature, top_k, top_p, [rows[i].rng for i in active],
+                                   repetition_penalty=repetition_penalty, token_limit=token_limit,
+                                   seen=seen[active] if repetition_penalty != 1.0 else None)
+            for i, token in zip(active, chosen.tolist()):
+                row = rows[i]
+                seen[i, token] = True
                 piece = row.push(token, stop_ids)
                 if on_token is not None:
                     on_token(i, token)
@@ -412,5 +442,5 @@ def generate_full_recompute(model, params: Mapping[str, np.ndarray], prompt, max
     return new
 
 
-__all__ = ["Generator", "Sample", "build_graph", "choose_token", "apply_repetition_penalty",
+__all__ = ["Generator", "Sample", "build_graph", "choose_token", "choose_tokens", "apply_repetition_penalty",
            "check_sampling_options", "generate_full_recompute", "CACHE_PREFIX"]
