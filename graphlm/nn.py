@@ -17,6 +17,11 @@ Sharing: a `Parameter` object registered in two modules (a tied LM head) is one 
 listed once, under the first name met in tree order, and in a graph it is bound once: the second
 module reuses the leaf the first one made.
 
+Cached decoding: ``GPT(...)(tokens, cache=KVCache(g, T, position))`` passes a `KVCache` down
+through `DecoderBlock` to `MultiheadAttention.attend_cached`, which makes the cache's `state`
+leaves and its `cache_write` update nodes (graphlm.sample builds its prefill and decode graphs
+this way).
+
 Dropout draws from ``graphlm.dropout(x, p, key, stream)``. The key is the graph's scalar integer
 leaf named ``dropout_key`` (an input, made on first use; a training program may instead declare a
 ``state`` of that name before building the model and it is used). Each Dropout module's stream is
