@@ -110,6 +110,7 @@ def test_prompt_from_a_file_and_from_stdin(checkpoint, capsys, monkeypatch, tmp_
     (["--num-samples", "0"], "--num-samples must be >= 1, got 0"),
     (["--stop", ""], "--stop must not be empty"),
     (["--prompt", ""], "--prompt is empty"),
+    (["--prompt", "A\udce9"], "--prompt is not valid UTF-8 text (character 1)"),   # argv byte 0xe9
 ])
 def test_bad_options_are_one_line_errors(checkpoint, capsys, tmp_path, argv, message):
     (tmp_path / "latin1.txt").write_bytes(b"A\xe9t\xe9")

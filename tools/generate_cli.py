@@ -83,7 +83,12 @@ def unescape(text: str) -> str:
 
 def read_prompt(args) -> str:
     if args.prompt_file is None:
-        return "\n" if args.prompt is None else args.prompt
+        text = "\n" if args.prompt is None else args.prompt
+        try:
+            text.encode("utf-8")   # argv bytes that are not UTF-8 arrive as lone surrogates
+        except UnicodeEncodeError as e:
+            raise ValueError(f"--prompt is not valid UTF-8 text (character {e.start})") from None
+        return text
     where = "standard input" if args.prompt_file == "-" else args.prompt_file
     try:
         if args.prompt_file == "-":
