@@ -259,9 +259,9 @@ def _prompt_ids(prompt, what: str = "prompt") -> list[int]:
     return [int(t) for t in arr]
 
 
-def _count(n, what: str) -> int:
+def _count(n, what: str, where: str = "generate") -> int:
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
-        raise ValueError(f"generate: {what} must be an integer >= 0, got {n!r}")
+        raise ValueError(f"{where}: {what} must be an integer >= 0, got {n!r}")
     return int(n)
 
 
@@ -274,7 +274,7 @@ class Generator:
     def __init__(self, model, params: Mapping[str, np.ndarray], batch_size: int = 1,
                  executor: str = "numpy", keep: int | None = None):
         c = model.config
-        self.batch_size = _count(batch_size, "batch_size")
+        self.batch_size = _count(batch_size, "batch_size", "Generator")
         if self.batch_size == 0:
             raise ValueError("Generator: batch_size must be >= 1, got 0")
         self.model, self.executor = model, executor

@@ -306,3 +306,18 @@ def test_a_batch_of_samples_is_the_samples_of_seed_plus_i(model, executor):
     assert batch.prefill_count == one.prefill_count // 3 and batch.decode_count == one.decode_count // 3
     with pytest.raises(ValueError, match="use generate_batch"):
         batch.generate([1], 2)
+
+
+def test_generator_and_cache_arguments_are_checked(model):
+    m, params = model
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="Generator: batch_size must be"):
+            Generator(m, params, batch_size=bad)
+    g = gl.Graph("c")
+    with pytest.raises(gl.GraphError, match="position must be a scalar integer tensor"):
+        nn.KVCache(g, 8, g.input("p", (2,), np.int64))
+    with pytest.raises(gl.ShapeError, match="a decode step takes one token per row, got 2"):
+        cache = nn.KVCache(g, 8, g.input("position", (), np.int64))
+        m(g.input("tokens", (1, 2), np.int64), cache=cache)
+    with pytest.raises(gl.ShapeError, match="a prefill of 9 tokens exceeds the cache's 8 positions"):
+        m(g.input("long", (1, 9), np.int64), cache=nn.KVCache(g, 8))
