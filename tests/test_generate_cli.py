@@ -224,3 +224,13 @@ def test_hf_dir_errors_name_the_file(tmp_path, capsys):
     code, _, err = run(capsys, "--hf-dir", str(directory))
     assert code != 0 and "tokenizer.json: not a readable tokenizer" in err
 
+
+
+def test_a_tiny_temperature_is_greedy_and_a_huge_one_still_text(checkpoint, capsys):
+    base = ("--checkpoint", checkpoint, "--prompt", "A", "--max-new-tokens", "40")
+    greedy, _ = sample_json(capsys, *base, "--temperature", "0")
+    tiny, err = sample_json(capsys, *base, "--temperature", "1e-40")      # no RuntimeWarning either
+    assert tiny["samples"][0]["tokens"] == greedy["samples"][0]["tokens"] and "Warning" not in err
+    huge, _ = sample_json(capsys, *base, "--temperature", "1e39")         # inf in float32: uniform
+    tokens = huge["samples"][0]["tokens"]
+    assert max(tokens) < 256 and len(set(tokens)) > 20
