@@ -1,8 +1,16 @@
 """Sampling speed at batch 1: graphlm (native or numpy executor) vs PyTorch eager, with and without a KV cache,
-on the same TinyLM weights. Prints a table and writes JSON (``--json PATH``, default stdout only).
+on the same TinyLM weights; and graphlm's batched sampling (``--batch N``, `graphlm generate --num-samples N`)
+against its batch 1. Prints a table and writes JSON (``--json PATH``, default stdout only).
 
     python benchmarks/generate.py [--checkpoint runs/tinylm/checkpoint.safetensors]
-        [--prompt-length 16] [--new-tokens 100] [--threads 1] [--repeats 3]
+        [--prompt-length 16] [--new-tokens 100] [--threads 1] [--repeats 3] [--batch 8]
+
+Batched: "graphlm_kv_cache_batchN" is the decode step of N rows (tokens/s = N / step time);
+"sampling" times `Generator.generate_batch` at batch 1 and N step by step (temperature 0.8, top-k 40:
+token choice and bookkeeping included; median step), tokens/s over all rows; the ratio of the two
+is what `--num-samples N` gains over N runs. Medians of the steps, and (`p10_steps`) their 10th
+percentile: on a loaded machine most longer steps get preempted, which biases medians against
+the larger batch.
 
 Both frameworks decode greedily from the same prompt; the script checks that they choose the
 same tokens (so both do the same work) before it reports. "KV cache" is per-token decode after
@@ -81,27 +89,38 @@ def torch_decode(tm, torch, prompt, n, cached: bool):
         logits = tm.forward(torch.tensor([seq]), 0, cache)
         for _ in range(n):
             seq.append(int(logits.argmax(-1)))
-            t0 = time.perf_counter()
+            t0 = clock()
             if cached:
                 logits = tm.forward(torch.tensor([[seq[-1]]]), len(seq) - 1, cache)
             else:
                 logits = tm.forward(torch.tensor([seq]), 0, None)
-            times.append(time.perf_counter() - t0)
+            times.append(clock() - t0)
     return seq[len(prompt):], times
 
 
 # -- graphlm ----------------------------------------------------------------------------------------
-def graphlm_cached(model, params, prompt, n):
-    gen = Generator(model, params, executor=EXECUTOR)
+def graphlm_cached(model, params, prompt, n, batch=1):
+    gen = Generator(model, params, batch_size=batch, executor=EXECUTOR)
     seq = list(prompt)
     times = []
-    logits = gen.prefill(np.asarray([seq]))
+    logits = gen.prefill(np.tile(np.asarray([seq]), (batch, 1)))
     for _ in range(n):
-        seq.append(int(np.argmax(logits[0])))
-        t0 = time.perf_counter()
-        logits = gen.decode(np.asarray([seq[-1]]))
-        times.append(time.perf_counter() - t0)
+        row = np.argmax(logits, axis=-1)
+        seq.append(int(row[0]))
+        t0 = clock()
+        logits = gen.decode(row)
+        times.append(clock() - t0)
     return seq[len(prompt):], times
+
+
+def graphlm_sampling(gen, prompt, n):
+    """The rows' tokens and the seconds of each step of one `generate_batch` (token choice,
+    bookkeeping and the decode step: the interval between row 0's successive tokens, so
+    compiling and the prefill are out)."""
+    stamps = []
+    samples = gen.generate_batch(prompt, n, temperature=0.8, top_k=40, seed=1,
+                                 on_token=lambda row, token: row == 0 and stamps.append(clock()))
+    return [s.tokens for s in samples], np.diff(stamps)
 
 
 def graphlm_no_cache(model, params, prompt, n):
@@ -118,17 +137,25 @@ def graphlm_no_cache(model, params, prompt, n):
     for _ in range(n):
         seq.append(int(np.argmax(logits)))
         window[0, len(seq) - 1] = seq[-1]
-        t0 = time.perf_counter()
+        t0 = clock()
         logits = prog.run({"tokens": window}, params)[0][0, len(seq) - 1]
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return seq[len(prompt):], times
 
 
 EXECUTOR = "native"   # graphlm's executor (--executor)
 
 
+def clock() -> float:
+    """The benchmark's clock (--clock): wall time, or this thread's CPU time."""
+    return CLOCK()
+
+
+CLOCK = time.perf_counter
+
+
 def main(argv=None) -> int:
-    global EXECUTOR
+    global EXECUTOR, CLOCK
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--checkpoint", help="weights from a training checkpoint (default: TinyLM init, seed 0)")
     ap.add_argument("--prompt-length", type=int, default=16)
@@ -138,9 +165,19 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="runs per variant; the median per-token time is kept")
     ap.add_argument("--executor", choices=["native", "numpy"], default="native",
                     help="graphlm's executor (default native: numpy's plan with C kernels)")
+    ap.add_argument("--batch", type=int, default=8,
+                    help="also time graphlm's batched decode and sampling of this many rows against batch 1 "
+                         "(default 8; 1 = off)")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="time steps by the wall clock (default) or by the CPU time of the calling thread "
+                         "(with --threads 1 only: everything then runs in that thread; on a loaded machine "
+                         "it leaves out the time the process waits for a core)")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args(argv)
     EXECUTOR = args.executor
+    if args.clock == "cpu" and args.threads != 1:
+        ap.error("--clock cpu needs --threads 1 (the CPU time of other threads is not counted)")
+    CLOCK = time.thread_time if args.clock == "cpu" else time.perf_counter
 
     import torch
     from graphlm.executors import numpy_executor
@@ -168,20 +205,46 @@ def main(argv=None) -> int:
         "graphlm_no_cache": lambda: graphlm_no_cache(model, params, prompt, args.new_tokens),
         "torch_no_cache": lambda: torch_decode(tm, torch, prompt, args.new_tokens, False),
     }
-    tokens, per_token = {}, {k: [] for k in variants}
+    b = args.batch
+    if b > 1:
+        variants[f"graphlm_kv_cache_batch{b}"] = lambda: graphlm_cached(model, params, prompt, args.new_tokens, b)
+    gens = {k: Generator(model, params, batch_size=k, executor=EXECUTOR) for k in ((1, b) if b > 1 else ())}
+    tokens, per_token, sampling = {}, {k: [] for k in variants}, {k: [] for k in gens}
+    fast = {k: [] for k in variants}      # 10th percentile of the steps: a loaded machine's clean ones
     for _ in range(args.repeats):             # alternate the variants so load hits them alike
         for name, fn in variants.items():
             toks, times = fn()
             tokens[name] = toks
             per_token[name].append(statistics.median(times))
+            fast[name].append(np.percentile(times, 10))
+        for k, gen in gens.items():
+            rows, steps = graphlm_sampling(gen, prompt, args.new_tokens)
+            sampling[k].append((len(rows) / statistics.median(steps), len(rows) / np.percentile(steps, 10)))
     agree = {k: tokens[k] == tokens["torch_kv_cache"] for k in tokens}
-    result = {"executor": EXECUTOR, "config": config.to_dict(), "prompt_length": args.prompt_length,
+    result = {"executor": EXECUTOR, "clock": args.clock, "config": config.to_dict(), "prompt_length": args.prompt_length,
               "new_tokens": args.new_tokens, "threads": args.threads, "repeats": args.repeats,
               "same_greedy_tokens_as_torch": agree, "variants": {}}
     for name in variants:
         ms = statistics.median(per_token[name]) * 1e3
-        result["variants"][name] = {"ms_per_token": round(ms, 3), "tokens_per_s": round(1e3 / ms, 1)}
+        rows = b if name.endswith(f"_batch{b}") else 1
+        result["variants"][name] = {"ms_per_token": round(ms, 3), "tokens_per_s": round(rows * 1e3 / ms, 1),
+                                    "batch": rows}
     v = result["variants"]
+    if gens:
+        rate = {k: statistics.median(r[0] for r in rs) for k, rs in sampling.items()}
+        rate_fast = {k: statistics.median(r[1] for r in rs) for k, rs in sampling.items()}
+        step_fast = {k: statistics.median(fast[name]) for k, name in ((1, "graphlm_kv_cache"),
+                                                                      (b, f"graphlm_kv_cache_batch{b}"))}
+        result["batched"] = {
+            "batch": b,
+            "decode_tokens_per_s_vs_batch1": round(v[f"graphlm_kv_cache_batch{b}"]["tokens_per_s"]
+                                                   / v["graphlm_kv_cache"]["tokens_per_s"], 2),
+            "sampling_tokens_per_s": {f"batch{k}": round(r, 1) for k, r in rate.items()},
+            "sampling_tokens_per_s_vs_batch1": round(rate[b] / rate[1], 2),
+            "p10_steps": {"decode_ms_per_step": {f"batch{k}": round(t * 1e3, 3) for k, t in step_fast.items()},
+                          "decode_tokens_per_s_vs_batch1": round(b * step_fast[1] / step_fast[b], 2),
+                          "sampling_tokens_per_s_vs_batch1": round(rate_fast[b] / rate_fast[1], 2)},
+            "sampling_options": {"temperature": 0.8, "top_k": 40, "seed": 1}}
     result["speedup_kv_cache_vs_torch"] = round(v["graphlm_kv_cache"]["tokens_per_s"] / v["torch_kv_cache"]["tokens_per_s"], 3)
     result["speedup_no_cache_vs_torch"] = round(v["graphlm_no_cache"]["tokens_per_s"] / v["torch_no_cache"]["tokens_per_s"], 3)
 
@@ -190,6 +253,12 @@ def main(argv=None) -> int:
         print(f"{name:<20} {r['ms_per_token']:>9.3f} {r['tokens_per_s']:>9.1f}  {agree[name]}")
     print(f"graphlm / torch tokens/s: KV cache {result['speedup_kv_cache_vs_torch']}x, "
           f"no cache {result['speedup_no_cache_vs_torch']}x")
+    if gens:
+        r = result["batched"]
+        print(f"batch {b} vs 1, tokens/s: decode step {r['decode_tokens_per_s_vs_batch1']}x; sampling "
+              f"(generate_batch) {r['sampling_tokens_per_s'][f'batch{b}']} vs {r['sampling_tokens_per_s']['batch1']}"
+              f" = {r['sampling_tokens_per_s_vs_batch1']}x; on the fastest tenth of the steps: decode "
+              f"{r['p10_steps']['decode_tokens_per_s_vs_batch1']}x, sampling {r['p10_steps']['sampling_tokens_per_s_vs_batch1']}x")
     print(json.dumps(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

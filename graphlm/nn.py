@@ -17,6 +17,11 @@ Sharing: a `Parameter` object registered in two modules (a tied LM head) is one 
 listed once, under the first name met in tree order, and in a graph it is bound once: the second
 module reuses the leaf the first one made.
 
+Cached decoding: ``GPT(...)(tokens, cache=KVCache(g, T, position))`` passes a `KVCache` down
+through `DecoderBlock` to `MultiheadAttention.attend_cached`, which makes the cache's `state`
+leaves and its `cache_write` update nodes (graphlm.sample builds its prefill and decode graphs
+this way).
+
 Dropout draws from ``graphlm.dropout(x, p, key, stream)``. The key is the graph's scalar integer
 leaf named ``dropout_key`` (an input, made on first use; a training program may instead declare a
 ``state`` of that name before building the model and it is used). Each Dropout module's stream is
@@ -445,6 +450,73 @@ class Dropout(Module):
         return f"p={self.p}"
 
 
+class KVCache:
+    """The keys and values of the attention modules of one graph, kept across runs as `state`.
+
+    A graph built with a cache is either a *prefill* (``position=None``: the L new tokens are at
+    positions 0..L-1) or one *decode* step (``position`` a scalar integer tensor of the graph:
+    one new token per row, at that position). Each `MultiheadAttention` called with ``cache=``
+    gets two state leaves ``{prefix}.{its scope}.k`` / ``.v`` of shape ``[B, H, capacity, D]``
+    (made on first use, so any model whose attention modules pass the cache along is cached)
+    and adds `cache_write` update nodes that store its new keys and values at the position.
+    Compile `writes` among the program's outputs: update nodes run after every other node, so a
+    decode step reads the cache as it was before the step.
+    """
+
+    def __init__(self, graph: Graph, capacity: int, position: Tensor | None = None,
+                 prefix: str = "cache"):
+        _positive("KVCache", capacity=capacity)
+        if position is not None and (not isinstance(position, Tensor) or position.graph is not graph
+                                     or position.shape != () or position.dtype.kind not in "iu"):
+            raise GraphError(f"KVCache: position must be a scalar integer tensor of graph "
+                             f"'{graph.name}', got {position!r}")
+        self.graph, self.capacity, self.position, self.prefix = graph, int(capacity), position, prefix
+        self.writes: list[Tensor] = []
+        self._visible: Tensor | None = None
+
+    def positions(self, length: int) -> Tensor | None:
+        """Positions of `length` new tokens for a positional embedding: None (0..length-1) in a
+        prefill, ``[position]`` in a decode step."""
+        if self.position is None:
+            if length > self.capacity:
+                raise ShapeError(f"KVCache: a prefill of {length} tokens exceeds the cache's "
+                                 f"{self.capacity} positions")
+            return None
+        if length != 1:
+            raise ShapeError(f"KVCache: a decode step takes one token per row, got {length}")
+        return ops.reshape(self.position, (1,))
+
+    def leaves(self, attn: "MultiheadAttention", k: Tensor) -> tuple[Tensor, Tensor]:
+        """The key and value caches of the attention module being built (the current scope)
+        for new keys `k` ``[B, H, L, D]``."""
+        g = self.graph
+        shape = (k.shape[0], attn.head_count, self.capacity, attn.head_width)
+        out = []
+        for kv in ("k", "v"):
+            name = _join(self.prefix, g.current_scope, kv)
+            leaf = g.states.get(name)
+            if leaf is None:
+                leaf = g.state(name, shape, k.dtype)
+            elif leaf.shape != shape:
+                raise GraphError(f"KVCache: state '{name}' is {fmt_shape(leaf.shape)}, the module "
+                                 f"'{g.current_scope}' needs {fmt_shape(shape)}")
+            out.append(leaf)
+        return out[0], out[1]
+
+    def visible(self) -> Tensor:
+        """``[capacity]``: 0 where a cached position j < position, -inf elsewhere; one node,
+        shared by every module of the graph."""
+        if self._visible is None:
+            t = self.graph.const(np.arange(self.capacity, dtype=np.int64))
+            self._visible = ops.where(ops.less(t, self.position), 0.0, -math.inf)
+        return self._visible
+
+    def write(self, cache_k: Tensor, cache_v: Tensor, k: Tensor, v: Tensor) -> None:
+        """Store new keys and values at the position (0 in a prefill)."""
+        at = self.position if self.position is not None else self.graph.const(np.int64(0))
+        self.writes += [ops.cache_write(cache_k, k, at, axis=2), ops.cache_write(cache_v, v, at, axis=2)]
+
+
 class MultiheadAttention(Module):
     """Multi-head attention with the fused ``qkv_weight [3, C, C]`` and ``qkv_bias [3, C]``.
 
@@ -453,9 +525,10 @@ class MultiheadAttention(Module):
     the ``output`` Linear ``[C, C]`` and ``output_dropout``.
 
     ``attn(x)`` is causal self-attention (by default); ``attn(x, memory)`` is cross-attention with
-    queries from `x` and keys/values from `memory`. The pieces are public so a cached decode path
-    can reuse them: `project_qkv` / `project_q` / `project_kv` (projections), `split_heads` /
-    `merge_heads`, `attend(q, k, v)` (the attention itself) and `project_output`.
+    queries from `x` and keys/values from `memory`; ``attn(x, cache=kv)`` is causal self-attention
+    that reads and writes a `KVCache` (prefill or one decode step, see there). The pieces are
+    public: `project_qkv` / `project_q` / `project_kv` (projections), `split_heads` /
+    `merge_heads`, `attend(q, k, v)` (the attention itself), `attend_cached` and `project_output`.
     """
 
     def __init__(self, channels: int, head_count: int, dropout: float = 0.0, bias: bool = True,
@@ -548,15 +621,42 @@ class MultiheadAttention(Module):
             self._captured.append(probs)
         return probs @ v
 
+    def attend_cached(self, q: Tensor, k: Tensor, v: Tensor, cache: "KVCache") -> Tensor:
+        """Causal attention of the new heads ``[B, H, L, D]`` against `cache`, which also gets
+        the new keys and values (`KVCache.write`).
+
+        Prefill (``cache.position`` None): the L new positions are all there is, so this is
+        `attend` with the causal mask. Decode (L = 1 at ``cache.position``): the query attends to
+        the cached keys at positions ``< position`` and to its own key, one softmax over both.
+        """
+        cache_k, cache_v = cache.leaves(self, k)
+        if cache.position is None:
+            context = self.attend(q, k, v, causal=True)
+        else:
+            t = cache_k.shape[2]
+            scale = 1.0 / math.sqrt(self.head_width)
+            s_cache = (q @ ops.swapaxes(cache_k, -1, -2)) * scale + cache.visible()   # [B, H, 1, T]
+            s_self = ops.sum(q * k, axis=-1, keepdims=True) * scale                   # [B, H, 1, 1]
+            p = ops.softmax(ops.concat([s_cache, s_self], axis=-1), -1)               # [B, H, 1, T+1]
+            context = p[..., :t] @ cache_v + p[..., t:] * v
+        cache.write(cache_k, cache_v, k, v)
+        return context
+
     def project_output(self, context: Tensor) -> Tensor:
         """The output Linear and dropout on merged heads ``[B, T, C]``."""
         return self.output_dropout(self.output(context))
 
-    def forward(self, x: Tensor, memory: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, memory: Tensor | None = None, cache: "KVCache | None" = None) -> Tensor:
+        where = f"MultiheadAttention '{x.graph.current_scope or '<root>'}'"
         for what, t in (("query input", x), ("memory", memory)):
             if t is not None and (t.ndim != 3 or t.shape[-1] != self.channels):
-                raise ShapeError(f"MultiheadAttention '{x.graph.current_scope or '<root>'}': "
-                                 f"{what} {fmt_shape(t.shape)} must be [B, T, {self.channels}]")
+                raise ShapeError(f"{where}: {what} {fmt_shape(t.shape)} must be [B, T, {self.channels}]")
+        if cache is not None:
+            if memory is not None or not self.causal:
+                raise GraphError(f"{where}: a KV cache serves causal self-attention only "
+                                 f"({'cross-attention' if memory is not None else 'causal=False'})")
+            q, k, v = (self.split_heads(t) for t in self.project_qkv(x))
+            return self.project_output(self.merge_heads(self.attend_cached(q, k, v, cache)))
         if memory is None:
             q, k, v = self.project_qkv(x)
         else:
@@ -697,8 +797,9 @@ class DecoderBlock(Module):
         """The MLP branch (with its norm and dropout) of the residual ``r``."""
         return self.mlp_dropout(self.mlp_output(self.activation(self.mlp_input(self.mlp_norm(r)))))
 
-    def forward(self, x: Tensor) -> Tensor:
-        r = x + self.attention(self.attention_norm(x))
+    def forward(self, x: Tensor, cache: "KVCache | None" = None) -> Tensor:
+        """The block on ``x [B, T, C]``; with `cache` its attention reads and writes the KV cache."""
+        r = x + self.attention(self.attention_norm(x), cache=cache)
         return r + self.mlp(r)
 
 
@@ -738,6 +839,6 @@ class TransformerDecoderLayer(Module):
 
 
 __all__ = ["Parameter", "Module", "ModuleList", "Linear", "Embedding", "PositionalEmbedding",
-           "LayerNorm", "RMSNorm", "Dropout", "MultiheadAttention", "MLP", "SwiGLU",
+           "LayerNorm", "RMSNorm", "Dropout", "KVCache", "MultiheadAttention", "MLP", "SwiGLU",
            "DecoderBlock", "TransformerDecoderLayer", "swiglu", "ACTIVATIONS", "get_activation",
            "dropout_key", "DROPOUT_KEY", "make_norm", "default_mlp_hidden", "capture_attention"]

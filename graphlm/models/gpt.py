@@ -184,18 +184,31 @@ class GPT(nn.Module):
         return repr(self.config)
 
     # -- graph building --------------------------------------------------------------------------
-    def forward(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
-        """Logits ``[B, T, V]`` for integer tokens ``[B, T]`` (positions 0..T-1 by default)."""
+    def forward(self, tokens: Tensor, positions: Tensor | None = None,
+                cache: nn.KVCache | None = None, logits_to_keep: int | None = None) -> Tensor:
+        """Logits ``[B, T, V]`` for integer tokens ``[B, T]`` (positions 0..T-1 by default).
+
+        With `cache` (an `nn.KVCache`) every block's attention reads and writes it and the
+        positions come from it (graphlm.sample). `logits_to_keep` = k computes the logits of
+        the last k positions only, ``[B, k, V]`` (as Hugging Face's; sampling needs one)."""
         c = self.config
         if tokens.dtype.kind not in "iu" or tokens.ndim != 2:
             raise ShapeError(f"GPT: tokens must be an integer [B, T] tensor, got "
                              f"{fmt_shape(tokens.shape)} {tokens.dtype}")
+        if cache is not None and positions is None:
+            positions = cache.positions(tokens.shape[1])
         if positions is None and tokens.shape[1] > c.context_length:
             raise ShapeError(f"GPT: sequence length {tokens.shape[1]} exceeds context_length "
                              f"{c.context_length}")
         x = self.positional_embedding(self.token_embedding(tokens), positions)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, cache=cache)
+        if logits_to_keep is not None:
+            t = tokens.shape[1]
+            if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, (int, np.integer)) \
+                    or not 1 <= logits_to_keep <= t:
+                raise ShapeError(f"GPT: logits_to_keep must be an int in [1, {t}], got {logits_to_keep!r}")
+            x = x[:, t - int(logits_to_keep):, :]
         return self.language_model_head(self.final_norm(x))
 
     def loss(self, tokens: Tensor, targets: Tensor) -> Tensor:
