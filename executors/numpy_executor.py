@@ -113,7 +113,7 @@ SMALL = 4096    # elements: at most this, kernels take a short path with the few
 
 _workers = {"threads": 1, "pool": None}
 
-ROW_QUANTUM_CANDIDATES = (8, 16, 24, 32, 48, 64, 96)   # matmul row blocks: see row_quantum
+ROW_QUANTUM_CANDIDATES = (8, 16, 24, 32, 48, 64, 96)   # matmul row blocks: see _matmul_parts
 MIN_SPLIT_FLOPS = 1 << 23   # a matmul below this (~100 us on one core) is not split
 MIN_SPLIT_ROWS = 1 << 16    # elements: a row-wise kernel below this is not split
 MIN_SPLIT_COPY = 1 << 18    # elements: a copy below this is not split
@@ -664,53 +664,77 @@ def _slice_backward(node, out, ins, scratch):
     return run
 
 
-_row_quanta: dict[str, int | None] = {}
+def _probe_like(x: np.ndarray, rng) -> np.ndarray:
+    """Random values in an array of x's shape, dtype and strides (64-byte aligned, as the arena),
+    for trying a product's cuts without touching x."""
+    if any(st < 0 for st in x.strides):
+        return rng.standard_normal(x.shape).astype(x.dtype)
+    span = 1 + sum((d - 1) * st for d, st in zip(x.shape, x.strides)) // x.itemsize if x.size else 1
+    raw = np.empty(span * x.itemsize + ALIGN, np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    buf = raw[start:start + span * x.itemsize].view(x.dtype)
+    buf[...] = rng.standard_normal(span)
+    return np.lib.stride_tricks.as_strided(buf, x.shape, x.strides)
 
 
-def row_quantum(dtype) -> int | None:
-    """The smallest row count q (of ROW_QUANTUM_CANDIDATES) such that a matmul cut into row
-    blocks at multiples of q rounds exactly as the whole product, found once per dtype by trying
-    (BLAS kernels compute rows in register tiles, 24 rows for OpenBLAS's sgemm on AVX2, and a
-    ragged last tile may add in another order); None when no candidate does (no row cuts).
-    Called only when the executor splits, i.e. with BLAS on one thread (a threaded BLAS cuts
-    products its own way and would not match)."""
-    key = np.dtype(dtype).str
-    if key not in _row_quanta:
-        rng = np.random.default_rng(0)
-        _row_quanta[key] = None
-        for q in ROW_QUANTUM_CANDIDATES:
-            a = rng.standard_normal((5 * q + 7, 200)).astype(dtype)
-            b = rng.standard_normal((200, 40)).astype(dtype)
-            whole = a @ b
-            if all(np.array_equal(np.concatenate([a[:s] @ b, a[s:] @ b]), whole) for s in range(q, 5 * q + 1, q)):
-                _row_quanta[key] = q
-                break
-    return _row_quanta[key]
+def pieces_round_as_whole(a, b, out, axis: int, cuts, matmul=np.matmul) -> bool:
+    """Whether ``a @ b -> out`` computed as the products of its pieces [s, e) along out's `axis`
+    gives the whole product's bytes. Tried on random operands of the same shapes, strides and
+    dtype: a BLAS call's order of operations depends on its shapes (blocking, register tiles, the
+    small-matrix and gemv paths), not on the values, so one try decides every later run."""
+    rng = np.random.default_rng(0)
+    pa, pb = _probe_like(a, rng), _probe_like(b, rng)
+    whole, split = np.empty(out.shape, out.dtype), np.full(out.shape, np.nan, out.dtype)
+    matmul(pa, pb, whole)
+    rows = axis == out.ndim - 2
+    for s, e in cuts:
+        matmul(_cut(pa, out.ndim, axis, s, e), pb if rows else _cut(pb, out.ndim, axis, s, e),
+               _cut(split, out.ndim, axis, s, e))
+    return whole.tobytes() == split.tobytes()
+
+
+_checked_cuts: dict[tuple, bool] = {}
+
+
+def _cuts_round_as_whole(a, b, out, axis: int, cuts) -> bool:
+    """pieces_round_as_whole, tried once per distinct product and cut in this process."""
+    key = (out.dtype.str, a.shape, a.strides, b.shape, b.strides, out.shape, out.strides, axis, tuple(cuts))
+    found = _checked_cuts.get(key)
+    if found is None:
+        found = _checked_cuts[key] = pieces_round_as_whole(a, b, out, axis, cuts)
+    return found
 
 
 def _matmul_parts(a, b, out, n):
     """[(a_i, b_i, out_i)]: ``a @ b -> out`` cut into at most n products along out's largest
-    batch axis or along blocks of rows, whichever balances better (a batch cut on a tie: it
-    leaves every GEMM as it was). Row blocks are multiples of `row_quantum` rows, so a cut
-    product rounds exactly as the whole (tests/test_fast_kernels.py checks it bit for bit)."""
+    batch axis or into blocks of rows (at multiples of one of ROW_QUANTUM_CANDIDATES rows), the
+    best balanced cut first (a batch cut on a tie: it leaves every GEMM as it was). A cut is used
+    only when its pieces round exactly as the whole product, tried once per distinct product on
+    random operands of its shapes (`pieces_round_as_whole`): BLAS kernels compute rows in
+    register tiles and take other paths for small products, so which cuts are exact depends on
+    the BLAS, its kernel and the shape. No exact cut: [] (the product stays whole)."""
     if a.ndim < 2 or b.ndim < 2:
         return []
     options = []   # (largest piece / total, prefer, axis of out, cuts)
     batch = _balanced_axis(out.shape[:-2], n)
     if batch is not None:
         options.append((batch[0], 0, batch[1], batch[2]))
-    m, quantum = out.shape[-2], row_quantum(out.dtype)
-    if quantum is not None and m > quantum:
+    m, seen = out.shape[-2], set()
+    for quantum in ROW_QUANTUM_CANDIDATES:
+        if m <= quantum:
+            break
         cuts = _cuts(m, n, quantum)
         if cuts[-1][1] - cuts[-1][0] == 1:   # NumPy runs a one-row product as a gemv (other rounding)
             cuts = cuts[:-2] + [(cuts[-2][0], m)]
-        options.append((max(e - s for s, e in cuts) / m, 1, out.ndim - 2, cuts))
-    if not options:
-        return []
-    _, _, axis, cuts = min(options)
-    rows = axis == out.ndim - 2
-    return [(_cut(a, out.ndim, axis, s, e), b if rows else _cut(b, out.ndim, axis, s, e),
-             _cut(out, out.ndim, axis, s, e)) for s, e in cuts]
+        if len(cuts) > 1 and tuple(cuts) not in seen:
+            seen.add(tuple(cuts))
+            options.append((max(e - s for s, e in cuts) / m, 1, out.ndim - 2, cuts))
+    for _, _, axis, cuts in sorted(options, key=lambda o: o[:2]):
+        if _cuts_round_as_whole(a, b, out, axis, cuts):
+            rows = axis == out.ndim - 2
+            return [(_cut(a, out.ndim, axis, s, e), b if rows else _cut(b, out.ndim, axis, s, e),
+                     _cut(out, out.ndim, axis, s, e)) for s, e in cuts]
+    return []
 
 
 def _matmul_closure(a, b, out):

@@ -266,6 +266,7 @@ def test_set_threads_rejects_what_is_not_a_positive_int(bad):
 
 @pytest.mark.parametrize("total,n,quantum", [(10, 2, 1), (10, 3, 1), (2, 3, 1), (128, 2, 48), (1000, 3, 48),
                                              (48, 2, 48), (7, 1, 1)])
+@pytest.mark.threads
 def test_cuts_are_contiguous_even_and_on_the_quantum(total, n, quantum):
     cuts = numpy_executor._cuts(total, n, quantum)
     assert cuts[0][0] == 0 and cuts[-1][1] == total and len(cuts) <= n
@@ -282,6 +283,7 @@ def test_cuts_are_contiguous_even_and_on_the_quantum(total, n, quantum):
     ((2, 3, 100, 16), (2, 3, 16, 100)),
     ((5, 70, 8), (8, 9)),
 ])
+@pytest.mark.threads
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_matmul_pieces_tile_the_output_and_round_as_the_whole(a_shape, b_shape, n):
     rng = np.random.default_rng(7)
@@ -290,7 +292,10 @@ def test_matmul_pieces_tile_the_output_and_round_as_the_whole(a_shape, b_shape, 
     whole = np.matmul(a, b)
     out = np.full_like(whole, np.nan)
     pieces = numpy_executor._matmul_parts(a, b, out, n)
-    assert 2 <= len(pieces) <= n
+    batched = any(d > 1 for d in whole.shape[:-2])   # a batch cut is exact on any BLAS; a row cut may not be
+    assert 2 <= len(pieces) <= n or (not batched and pieces == [])
+    if not pieces:
+        return
     outs = [po for _, _, po in pieces]
     assert all(np.shares_memory(po, out) for po in outs)
     assert not any(np.shares_memory(p, q) for i, p in enumerate(outs) for q in outs[i + 1:])   # disjoint
@@ -299,26 +304,67 @@ def test_matmul_pieces_tile_the_output_and_round_as_the_whole(a_shape, b_shape, 
     assert out.tobytes() == whole.tobytes()    # covered (no NaN left) and rounded as the whole
 
 
+@pytest.mark.threads
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_row_quantum_cuts_round_as_the_whole_on_other_shapes(dtype):
-    """The quantum is found on one probe shape; cuts at its multiples must hold on the shapes of
-    training too (long contractions, few columns, a ragged last tile). A last piece of one row
-    is merged into the one before (NumPy would run it as a gemv, which rounds otherwise)."""
+def test_the_cuts_chosen_for_training_shapes_round_as_the_whole(dtype):
+    """Whatever cut the executor picks for a product (long contractions, few columns, a ragged
+    last tile, a product small enough for a BLAS's small-matrix path), its pieces give the whole
+    product's bytes on this BLAS and kernel; a product with no exact cut stays whole."""
     numpy_executor.set_threads(2)   # (BLAS on one thread, as whenever the executor splits)
-    q = numpy_executor.row_quantum(dtype)
-    assert q is not None and q in numpy_executor.ROW_QUANTUM_CANDIDATES
-    rng = np.random.default_rng(2)
-    for m, k, n in [(128, 192, 768), (128, 768, 192), (200, 1000, 50), (97, 3000, 33), (q + 1, 500, 20)]:
-        a, b = rng.standard_normal((m, k)).astype(dtype), rng.standard_normal((k, n)).astype(dtype)
-        whole = a @ b
-        for s in range(q, m - 1, q):
-            assert np.concatenate([a[:s] @ b, a[s:] @ b]).tobytes() == whole.tobytes(), (m, k, n, s)
-        out = np.full_like(whole, np.nan)
-        pieces = numpy_executor._matmul_parts(a, b, out, 2)
-        assert all(po.shape[0] >= 2 for _, _, po in pieces)
-        for pa, pb, po in pieces:
-            np.matmul(pa, pb, po)
-        assert out.tobytes() == whole.tobytes()
+    try:
+        rng = np.random.default_rng(2)
+        for m, k, n in [(128, 192, 768), (128, 768, 192), (200, 1000, 50), (97, 3000, 33), (25, 500, 20),
+                        (64, 16, 64), (300, 20, 50)]:
+            a, b = rng.standard_normal((m, k)).astype(dtype), rng.standard_normal((k, n)).astype(dtype)
+            whole = a @ b
+            for parts in (2, 3):
+                out = np.full_like(whole, np.nan)
+                pieces = numpy_executor._matmul_parts(a, b, out, parts)
+                assert pieces == [] or 2 <= len(pieces) <= parts
+                assert all(po.shape[0] >= 2 for _, _, po in pieces)   # no gemv piece
+                for pa, pb, po in pieces:
+                    np.matmul(pa, pb, po)
+                assert pieces == [] or out.tobytes() == whole.tobytes(), (m, k, n, parts)
+    finally:
+        numpy_executor.set_threads(1)
+
+
+def _exact_matmul(a, b, out):
+    """A stand-in BLAS that adds every entry's k products in order, whatever the rows."""
+    np.sum(a[..., :, :, None] * b[..., None, :, :], axis=-2, out=out)
+
+
+def _rounds_by_piece_height(a, b, out):
+    """A stand-in BLAS whose products of fewer than 64 rows round otherwise (as a small-matrix
+    kernel may): the last bit of every entry flipped."""
+    _exact_matmul(a, b, out)
+    if a.shape[-2] < 64:
+        bits = out.view(np.uint32)
+        bits ^= 1
+
+
+@pytest.mark.threads
+def test_a_cut_is_used_only_when_its_pieces_round_as_the_whole(monkeypatch):
+    rng = np.random.default_rng(4)
+    a, b = rng.standard_normal((100, 30)).astype(np.float32), rng.standard_normal((30, 20)).astype(np.float32)
+    out = np.empty((100, 20), np.float32)
+    assert numpy_executor.pieces_round_as_whole(a, b, out, 0, [(0, 48), (48, 100)], matmul=_exact_matmul)
+    assert not numpy_executor.pieces_round_as_whole(a, b, out, 0, [(0, 48), (48, 100)],
+                                                    matmul=_rounds_by_piece_height)
+    assert not numpy_executor.pieces_round_as_whole(a, b, out, 0, [(0, 64), (64, 100)],
+                                                    matmul=_rounds_by_piece_height)   # the second piece
+    assert numpy_executor.pieces_round_as_whole(a, b, out, 0, [(0, 100)], matmul=_rounds_by_piece_height)
+    # the executor asks the check (for the product itself) and keeps a product whole when no cut passes
+    asked = []
+    monkeypatch.setattr(numpy_executor, "_cuts_round_as_whole", lambda *args: asked.append(args[3:]) or False)
+    assert numpy_executor._matmul_parts(a, b, out, 2) == []
+    assert asked and all(axis == 0 for axis, _ in asked)
+    # a batched product falls back from a rejected cut to the next best
+    batched = rng.standard_normal((4, 100, 30)).astype(np.float32)
+    out3 = np.empty((4, 100, 20), np.float32)
+    monkeypatch.setattr(numpy_executor, "_cuts_round_as_whole", lambda a, b, out, axis, cuts: axis == 1)
+    pieces = numpy_executor._matmul_parts(batched, b, out3, 2)
+    assert len(pieces) == 2 and all(po.shape[0] == 4 for _, _, po in pieces)
 
 
 @pytest.mark.parametrize("shapes", [
@@ -327,6 +373,7 @@ def test_row_quantum_cuts_round_as_the_whole_on_other_shapes(dtype):
     [(5, 7), (5, 1)],                   # a row statistic broadcast along columns
     [(64,), ()],                        # a scalar operand
 ])
+@pytest.mark.threads
 @pytest.mark.parametrize("n", [2, 3])
 def test_elementwise_pieces_tile_the_output(shapes, n):
     rng = np.random.default_rng(5)
@@ -395,6 +442,7 @@ def _train_two_steps(dropout: float):
     return [x.tobytes() for x in losses], [x.tobytes() for x in norms], {k: v.tobytes() for k, v in state.items()}
 
 
+@pytest.mark.threads
 @pytest.mark.parametrize("dropout", [0.0, 0.2])
 @pytest.mark.parametrize("n", [2, 3])
 def test_training_steps_on_n_threads_are_bit_identical_to_one(split_everything, dropout, n):
@@ -414,6 +462,7 @@ def test_training_steps_on_n_threads_are_bit_identical_to_one(split_everything, 
     assert [k for k in want[2] if got[2][k] != want[2][k]] == []
 
 
+@pytest.mark.threads
 def test_programs_run_from_two_user_threads_at_once_share_the_workers_safely(split_everything):
     """Two threads each running its own training program on a 2-thread executor: whoever finds
     the workers busy runs its pieces itself; both get the one-thread results bit for bit."""
@@ -433,6 +482,7 @@ def test_programs_run_from_two_user_threads_at_once_share_the_workers_safely(spl
     assert len(got) == 2 and all(g == want for g in got)
 
 
+@pytest.mark.threads
 @pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
 def test_a_forked_child_gets_its_own_workers(split_everything):
     """After fork the child has no pool threads of its parent's; it must start its own rather
@@ -453,6 +503,7 @@ def test_a_forked_child_gets_its_own_workers(split_everything):
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
 
 
+@pytest.mark.threads
 def test_a_failing_piece_raises_after_every_piece_finished():
     numpy_executor.set_threads(2)
     done = []
@@ -507,6 +558,7 @@ def test_kept_bytes_counts_the_buffers_fused_kernels_keep():
     assert prog.kept_bytes() == 64 + 64 * 4 + 64 * 4 + 4 * 4
 
 
+@pytest.mark.threads
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_a_weight_gradient_summed_over_a_batch_is_one_folded_product(split_everything, n):
     """``x [4, 5, 6] @ w [6, 3]`` written directly (not through Linear, which folds the rows
@@ -536,6 +588,7 @@ def test_a_weight_gradient_summed_over_a_batch_is_one_folded_product(split_every
     np.testing.assert_array_equal(got, one)
 
 
+@pytest.mark.threads
 def test_blocked_kernels_split_only_with_enough_blocks_per_thread():
     """A blocked kernel splits over n threads only with at least MIN_BLOCKS_PER_THREAD blocks
     per thread (a few short NumPy calls per thread lose more to the GIL hand-offs than they

@@ -267,6 +267,7 @@ def tinylm_step():
     return NUMPY.compile(g, outputs), feeds, params
 
 
+@pytest.mark.threads
 def test_run_allocates_almost_nothing(tinylm_step):
     """A run allocates little beyond the outputs it returns; and the kernels alone (profile runs
     them without copying outputs, which would hide smaller temporaries) allocate no more on 2
