@@ -143,7 +143,7 @@ def main(argv=None) -> int:
     EXECUTOR = args.executor
 
     import torch
-    from graphlm.executors import numpy_executor
+    from graphlm.executors import numpy as numpy_executor
     numpy_executor.set_threads(args.threads)
     torch.set_num_threads(args.threads)
 

@@ -54,8 +54,14 @@ from graphlm.io.runfolder import remove_dead_temporaries
 from graphlm.ops import GELU_A, GELU_B, GELU_DA, GELU_DB, norm_parts
 from graphlm.random import stream_base
 
-from . import numpy_executor as npx
-from .numpy_executor import FusedNode, Kernel, NumpyProgram, _cuts, _MaskSlot, _parallel, _threaded, _workers
+from .numpy import KERNELS as NUMPY_KERNELS
+from .numpy import Kernel, NumpyProgram, get_threads
+from .numpy.attention import build_causal_attention, build_causal_attention_backward, softmax_block, softmax_ds_block
+from .numpy.dropout import keep_threshold
+from .numpy.optimizer import adamw_schedule
+from .numpy.passes import FusedNode, MaskSlot
+from .numpy.pool import parallel, threaded
+from .numpy.tiling import even_cuts, size_groups
 
 SOURCE = Path(__file__).with_name("native_kernels.c")
 FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-std=c11",
@@ -296,8 +302,8 @@ def _split_calls(call, units: int, unit_size: int, arrays):
     def split(n):
         if units * unit_size < MIN_SPLIT * n:
             return []
-        return [call(lo, hi) for lo, hi in _cuts(units, n, max(1, 64 // max(1, unit_size)))]
-    run = _threaded(whole, split)
+        return [call(lo, hi) for lo, hi in even_cuts(units, n, max(1, 64 // max(1, unit_size)))]
+    run = threaded(whole, split)
     run.arrays = arrays
     return run
 
@@ -307,8 +313,7 @@ def _at(a, per: int, lo: int) -> int | None:
     return None if a is None else _ptr(a) + lo * per * a.itemsize
 
 
-KERNELS: dict[str, Kernel] = dict(npx.KERNELS)
-NUMPY_KERNELS = npx.KERNELS
+KERNELS: dict[str, Kernel] = dict(NUMPY_KERNELS)
 
 
 def native_kernel(*names):
@@ -454,14 +459,14 @@ def _layer_norm_backward(node, out, ins, scratch):
 
 def _softmax_block(x, lb, r0, up):
     if not (x.flags.c_contiguous and x.ndim == 3 and lb.ndim == 3):
-        return npx.softmax_block(x, lb, r0, up)
+        return softmax_block(x, lb, r0, up)
     m, rows, cols = x.shape
     library().gl_causal_softmax_block(_ptr(x), _ptr(lb), m, rows, cols, r0, lb.strides[0] // lb.itemsize)
 
 
 def _ds_block(s, x, ddb):
     if not (s.flags.c_contiguous and x.flags.c_contiguous and s.ndim == 3 and ddb.ndim == 3):
-        return npx.softmax_ds_block(s, x, ddb)
+        return softmax_ds_block(s, x, ddb)
     m, rows, cols = s.shape
     library().gl_softmax_ds_block(_ptr(s), _ptr(x), _ptr(ddb), m, rows, cols, ddb.strides[0] // ddb.itemsize)
 
@@ -479,9 +484,9 @@ def _with_native_steps(numpy_build):
     return build
 
 
-native_kernel("causal_attention", "causal_attention_keep")(_with_native_steps(npx._causal_attention))
+native_kernel("causal_attention", "causal_attention_keep")(_with_native_steps(build_causal_attention))
 native_kernel("causal_attention_backward", "causal_attention_backward_kept")(
-    _with_native_steps(npx._causal_attention_backward))
+    _with_native_steps(build_causal_attention_backward))
 
 
 # == dropout ================================================================================================
@@ -502,7 +507,7 @@ def _dropout_shared(node, out, ins, scratch):
         return _split_calls(lambda lo, hi: functools.partial(
             lib.gl_dropout_apply, _at(x, 1, lo), _at(mask, 1, lo), _at(out, 1, lo), hi - lo, scale),
             out.size, 1, (x, mask, out))
-    threshold = npx.keep_threshold(a["p"])
+    threshold = keep_threshold(a["p"])
     base = [0]   # this run's stream start, read by the pieces
     pointers = (_ptr(mask), _ptr(x), _ptr(out))
     draw = _split_calls(lambda lo, hi: lambda: lib.gl_dropout_draw(*pointers, lo, hi, base[0], threshold, scale),
@@ -516,7 +521,7 @@ def _dropout_shared(node, out, ins, scratch):
 
 @native_kernel("dropout")
 def _dropout(node, out, ins, scratch):
-    attrs = {**node.attrs, "slot": _MaskSlot(), "draw": True}
+    attrs = {**node.attrs, "slot": MaskSlot(), "draw": True}
     return _dropout_shared(FusedNode(node, "dropout_shared", node.inputs, attrs), out, ins, scratch)
 
 
@@ -545,17 +550,17 @@ def _adamw_update(node, out, ins, scratch):
     groups: dict[int, list] = {}
 
     def run():
-        lr, step_size, bc2_sqrt = npx.adamw_schedule(node, lr_a, step_a)
+        lr, step_size, bc2_sqrt = adamw_schedule(node, lr_a, step_a)
         coef, step_size, bc2_sqrt = f32(coef_a), f32(step_size), f32(bc2_sqrt)
         for wd in set(a["weight_decay"]):
             consts[wd] = (coef, f32(1.0 - lr * wd), step_size, bc2_sqrt)
-        n = _workers["threads"]
+        n = get_threads()
         if n == 1 or len(params) < 2:
             update(params)
         else:
             if n not in groups:
-                groups[n] = [params[lo:hi] for lo, hi in npx._size_groups([size for _, size, _ in params], n)]
-            _parallel([functools.partial(update, part) for part in groups[n]])
+                groups[n] = [params[lo:hi] for lo, hi in size_groups([size for _, size, _ in params], n)]
+            parallel([functools.partial(update, part) for part in groups[n]])
         out[...] = 0.0
     run.arrays = ins   # (the raw pointers above point into these)
     return run

@@ -7,7 +7,8 @@ import pytest
 
 from graphlm import executors
 import graphlm as gl
-from graphlm.executors import numpy_executor
+from graphlm.executors import numpy as numpy_executor
+from graphlm.executors.numpy import attention, dropout, matmul, optimizer, pool, tiling
 from graphlm.random import counter_uniform
 from graphlm.testing import assert_close
 
@@ -26,12 +27,12 @@ def run_both(g, outputs, feeds, state=None):
 @pytest.mark.parametrize("shape,p,key,stream", [
     ((8, 128, 192), 0.1, 12345, 3),                       # several chunks
     ((3, 5), 0.5, 2 ** 62 + 7, 0),                        # smaller than a chunk, big key
-    ((numpy_executor._MASK_CHUNK + 1,), 0.999, 1, 9),     # a one-element last chunk
+    ((dropout._MASK_CHUNK + 1,), 0.999, 1, 9),     # a one-element last chunk
     ((7,), 0.0, 5, 1),                                    # p = 0 keeps everything
 ])
 def test_keep_mask_drawer_is_counter_uniform_exactly(shape, p, key, stream):
     mask = np.empty(shape, bool)
-    numpy_executor.keep_mask_drawer(shape, stream, p)(key, mask)
+    dropout.keep_mask_drawer(shape, stream, p)(key, mask)
     np.testing.assert_array_equal(mask, counter_uniform(key, stream, shape) >= np.float32(p))
 
 
@@ -97,7 +98,7 @@ def test_blocked_kernels_match_reference_bit_for_bit(monkeypatch, block, dtype, 
     block (with 1000: many blocks and a ragged last one); a softmax of a transposed (strided)
     input runs unblocked and matches within rounding (the reference's temporaries there follow
     the strided layout, so its sums add in another order)."""
-    monkeypatch.setattr(numpy_executor, "BLOCK", block)
+    monkeypatch.setattr(tiling, "BLOCK", block)
     g = gl.Graph("blocks")
     x = g.input("x", (3, 37, 64), dtype)
     key = g.input("key", (), "int64")
@@ -156,7 +157,7 @@ def test_slice_gradients_are_assembled_like_the_reference(parts, dtype):
 @pytest.mark.parametrize("block", [1000, 1 << 16])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_scaled_causal_softmax_is_fused_and_bit_identical(monkeypatch, block, dtype, threads):
-    monkeypatch.setattr(numpy_executor, "BLOCK", block)
+    monkeypatch.setattr(tiling, "BLOCK", block)
     g = gl.Graph("attn")
     q = g.input("q", (2, 3, 24, 8), dtype)
     k = g.input("k", (2, 3, 24, 8), dtype)
@@ -200,9 +201,9 @@ def test_causal_attention_in_query_blocks_matches_reference(monkeypatch, query_b
     float32, 1e-12 in float64); the unpaired backward (recomputing E) equals the paired one
     bit for bit; the NaN-poisoned arena shows no masked score is read; only the blocks on and
     below the diagonal are kept from forward to backward."""
-    monkeypatch.setattr(numpy_executor, "ATTENTION_QUERY_BLOCK", query_block)
-    monkeypatch.setattr(numpy_executor, "ATTENTION_CHUNK", chunk)
-    monkeypatch.setattr(numpy_executor, "MIN_SPLIT_FLOPS", 0)
+    monkeypatch.setattr(attention, "ATTENTION_QUERY_BLOCK", query_block)
+    monkeypatch.setattr(attention, "ATTENTION_CHUNK", chunk)
+    monkeypatch.setattr(pool, "MIN_SPLIT_FLOPS", 0)
     shape = (2, 3, 37, 8)
     g, y, grads, alone = _attention_graph(shape, dtype)
     rng = np.random.default_rng(11)
@@ -222,7 +223,7 @@ def test_causal_attention_in_query_blocks_matches_reference(monkeypatch, query_b
     # the unpaired backward read the reference's o; on the numpy output it equals the paired one
     again = NUMPY.compile(g, [alone], poison=True).run(dict(feeds, o=got[0]))[0]
     assert again.tobytes() == paired.tobytes()
-    blocks = numpy_executor._query_blocks(37)
+    blocks = attention.query_blocks(37)
     assert len(blocks) == max(1, round(37 / query_block))
     kept = sum((r1 - r0) * r1 for r0, r1 in blocks) + 37   # E's blocks and the row sums l
     assert prog.kept_bytes() == kept * 6 * np.dtype(dtype).itemsize
@@ -268,7 +269,7 @@ def test_set_threads_rejects_what_is_not_a_positive_int(bad):
                                              (48, 2, 48), (7, 1, 1)])
 @pytest.mark.threads
 def test_cuts_are_contiguous_even_and_on_the_quantum(total, n, quantum):
-    cuts = numpy_executor._cuts(total, n, quantum)
+    cuts = tiling.even_cuts(total, n, quantum)
     assert cuts[0][0] == 0 and cuts[-1][1] == total and len(cuts) <= n
     assert all(a < b for a, b in cuts) and all(b == c for (_, b), (c, _) in zip(cuts, cuts[1:]))
     assert all(a % quantum == 0 for a, _ in cuts)
@@ -291,7 +292,7 @@ def test_matmul_pieces_tile_the_output_and_round_as_the_whole(a_shape, b_shape, 
     b = rng.standard_normal(b_shape).astype(np.float32)
     whole = np.matmul(a, b)
     out = np.full_like(whole, np.nan)
-    pieces = numpy_executor._matmul_parts(a, b, out, n)
+    pieces = matmul.matmul_parts(a, b, out, n)
     batched = any(d > 1 for d in whole.shape[:-2])   # a batch cut is exact on any BLAS; a row cut may not be
     assert 2 <= len(pieces) <= n or (not batched and pieces == [])
     if not pieces:
@@ -319,7 +320,7 @@ def test_the_cuts_chosen_for_training_shapes_round_as_the_whole(dtype):
             whole = a @ b
             for parts in (2, 3):
                 out = np.full_like(whole, np.nan)
-                pieces = numpy_executor._matmul_parts(a, b, out, parts)
+                pieces = matmul.matmul_parts(a, b, out, parts)
                 assert pieces == [] or 2 <= len(pieces) <= parts
                 assert all(po.shape[0] >= 2 for _, _, po in pieces)   # no gemv piece
                 for pa, pb, po in pieces:
@@ -348,22 +349,22 @@ def test_a_cut_is_used_only_when_its_pieces_round_as_the_whole(monkeypatch):
     rng = np.random.default_rng(4)
     a, b = rng.standard_normal((100, 30)).astype(np.float32), rng.standard_normal((30, 20)).astype(np.float32)
     out = np.empty((100, 20), np.float32)
-    assert numpy_executor.pieces_round_as_whole(a, b, out, 0, [(0, 48), (48, 100)], matmul=_exact_matmul)
-    assert not numpy_executor.pieces_round_as_whole(a, b, out, 0, [(0, 48), (48, 100)],
+    assert matmul.pieces_round_as_whole(a, b, out, 0, [(0, 48), (48, 100)], matmul=_exact_matmul)
+    assert not matmul.pieces_round_as_whole(a, b, out, 0, [(0, 48), (48, 100)],
                                                     matmul=_rounds_by_piece_height)
-    assert not numpy_executor.pieces_round_as_whole(a, b, out, 0, [(0, 64), (64, 100)],
+    assert not matmul.pieces_round_as_whole(a, b, out, 0, [(0, 64), (64, 100)],
                                                     matmul=_rounds_by_piece_height)   # the second piece
-    assert numpy_executor.pieces_round_as_whole(a, b, out, 0, [(0, 100)], matmul=_rounds_by_piece_height)
+    assert matmul.pieces_round_as_whole(a, b, out, 0, [(0, 100)], matmul=_rounds_by_piece_height)
     # the executor asks the check (for the product itself) and keeps a product whole when no cut passes
     asked = []
-    monkeypatch.setattr(numpy_executor, "_cuts_round_as_whole", lambda *args: asked.append(args[3:]) or False)
-    assert numpy_executor._matmul_parts(a, b, out, 2) == []
+    monkeypatch.setattr(matmul, "_cuts_round_as_whole", lambda *args: asked.append(args[3:]) or False)
+    assert matmul.matmul_parts(a, b, out, 2) == []
     assert asked and all(axis == 0 for axis, _ in asked)
     # a batched product falls back from a rejected cut to the next best
     batched = rng.standard_normal((4, 100, 30)).astype(np.float32)
     out3 = np.empty((4, 100, 20), np.float32)
-    monkeypatch.setattr(numpy_executor, "_cuts_round_as_whole", lambda a, b, out, axis, cuts: axis == 1)
-    pieces = numpy_executor._matmul_parts(batched, b, out3, 2)
+    monkeypatch.setattr(matmul, "_cuts_round_as_whole", lambda a, b, out, axis, cuts: axis == 1)
+    pieces = matmul.matmul_parts(batched, b, out3, 2)
     assert len(pieces) == 2 and all(po.shape[0] == 4 for _, _, po in pieces)
 
 
@@ -380,7 +381,7 @@ def test_elementwise_pieces_tile_the_output(shapes, n):
     ins = [rng.standard_normal(sh).astype(np.float32) for sh in shapes]
     whole = np.add(*ins)
     out = np.full_like(whole, np.nan)
-    pieces = numpy_executor._elementwise_parts(ins, out, n)
+    pieces = tiling.elementwise_parts(ins, out, n)
     assert 2 <= len(pieces) <= n
     outs = [po for _, po in pieces]
     assert not any(np.shares_memory(p, q) for i, p in enumerate(outs) for q in outs[i + 1:])   # disjoint
@@ -392,7 +393,7 @@ def test_elementwise_pieces_tile_the_output(shapes, n):
 
 @pytest.mark.parametrize("sizes,n", [([5, 1, 1, 9, 2], 2), ([3], 2), ([1, 1, 1], 3), ([4, 4, 4, 4], 3)])
 def test_size_groups_cover_every_item_once_in_order(sizes, n):
-    groups = numpy_executor._size_groups(sizes, n)
+    groups = tiling.size_groups(sizes, n)
     assert groups[0][0] == 0 and groups[-1][1] == len(sizes) and len(groups) <= n
     assert all(a < b for a, b in groups) and all(b == c for (_, b), (c, _) in zip(groups, groups[1:]))
 
@@ -400,15 +401,15 @@ def test_size_groups_cover_every_item_once_in_order(sizes, n):
 @pytest.fixture
 def split_everything(monkeypatch):
     """Split every kernel that can be split, however small (the graphs of tests are small)."""
-    monkeypatch.setattr(numpy_executor, "MIN_SPLIT_FLOPS", 0)
-    monkeypatch.setattr(numpy_executor, "MIN_SPLIT_ROWS", 0)
-    monkeypatch.setattr(numpy_executor, "MIN_SPLIT_COPY", 0)
-    monkeypatch.setattr(numpy_executor, "MIN_BLOCKS_PER_THREAD", 1)
-    monkeypatch.setattr(numpy_executor, "_MASK_CHUNK", 64)
-    monkeypatch.setattr(numpy_executor, "_ADAMW_CHUNK", 100)
-    monkeypatch.setattr(numpy_executor, "BLOCK", 500)
-    monkeypatch.setattr(numpy_executor, "ATTENTION_QUERY_BLOCK", 8)   # 4 query blocks at T = 32
-    monkeypatch.setattr(numpy_executor, "ATTENTION_CHUNK", 100)       # one matrix per run
+    monkeypatch.setattr(pool, "MIN_SPLIT_FLOPS", 0)
+    monkeypatch.setattr(pool, "MIN_SPLIT_ROWS", 0)
+    monkeypatch.setattr(pool, "MIN_SPLIT_COPY", 0)
+    monkeypatch.setattr(pool, "MIN_BLOCKS_PER_THREAD", 1)
+    monkeypatch.setattr(dropout, "_MASK_CHUNK", 64)
+    monkeypatch.setattr(optimizer, "_ADAMW_CHUNK", 100)
+    monkeypatch.setattr(tiling, "BLOCK", 500)
+    monkeypatch.setattr(attention, "ATTENTION_QUERY_BLOCK", 8)   # 4 query blocks at T = 32
+    monkeypatch.setattr(attention, "ATTENTION_CHUNK", 100)       # one matrix per run
 
 
 def train_steps(dropout: float, executor: str = "numpy", steps: int = 2):
@@ -517,7 +518,7 @@ def test_a_failing_piece_raises_after_every_piece_finished():
         done.append(1)
     try:
         with pytest.raises(ValueError, match="piece failed"):
-            numpy_executor._parallel([fail, slow])
+            pool.parallel([fail, slow])
         assert done == [1]
     finally:
         numpy_executor.set_threads(1)
@@ -594,10 +595,10 @@ def test_blocked_kernels_split_only_with_enough_blocks_per_thread():
     per thread (a few short NumPy calls per thread lose more to the GIL hand-offs than they
     gain: measured 0.6x for dropout's 3 blocks at batch 8 on 2 threads)."""
     import threading
-    per = numpy_executor.MIN_BLOCKS_PER_THREAD
+    per = pool.MIN_BLOCKS_PER_THREAD
     for count, threads_used in ((2 * per - 1, 1), (2 * per, 2)):
         seen = []
-        run = numpy_executor._run_blocks(lambda i: seen.append((i, threading.get_ident())),
+        run = tiling.run_blocks(lambda i: seen.append((i, threading.get_ident())),
                                          [(i,) for i in range(count)])
         numpy_executor.set_threads(2)
         try:

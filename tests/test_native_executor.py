@@ -17,7 +17,8 @@ import pytest
 
 from graphlm import executors
 import graphlm as gl
-from graphlm.executors import native, numpy_executor
+from graphlm.executors import native
+from graphlm.executors import numpy as numpy_executor
 from graphlm.testing import assert_close, feeds_of
 from tests.test_fast_kernels import train_steps
 from tests.test_numpy_executor import _peak_allocation, compare, gpt_step, graph_with_grads, random_dag

@@ -263,7 +263,7 @@ def _compile_numpy(graph, outputs):
 
     if "numpy" not in executors.available_executors():
         raise CLIError("the numpy executor is not available, so there is no memory plan "
-                       "(executors/numpy_executor.py)", EXIT_FAILED)
+                       "(executors/numpy/)", EXIT_FAILED)
     return executors.get("numpy").compile(graph, outputs)
 
 
