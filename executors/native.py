@@ -59,7 +59,6 @@ from .numpy import Kernel, NumpyProgram, get_threads
 from .numpy.attention import build_causal_attention, build_causal_attention_backward, softmax_block, softmax_ds_block
 from .numpy.dropout import keep_threshold
 from .numpy.optimizer import adamw_schedule
-from .numpy.passes import FusedNode, MaskSlot
 from .numpy.pool import parallel, threaded
 from .numpy.tiling import even_cuts, size_groups
 
@@ -491,27 +490,19 @@ native_kernel("causal_attention_backward", "causal_attention_backward_kept")(
 
 # == dropout ================================================================================================
 
-@native_kernel("dropout_shared")
-def _dropout_shared(node, out, ins, scratch):
-    x, key = ins
+def _draw_closure(node, key, mask, x, out):
+    """Draw the keep mask of `node` (dropout or dropout_keep) into `mask` in C and, when x is
+    given, out = (x * mask) * scale in the same pass; None where the arrays are not native."""
     a = node.attrs
-    slot = a["slot"]
-    if a["draw"]:
-        (slot.mask,) = scratch
-    mask = slot.mask
-    if (node.dtype != np.float32 or x.shape != out.shape or not _native(x, out)
-            or mask.dtype != np.bool_ or not mask.flags.c_contiguous):
+    if mask.dtype != np.bool_ or not mask.flags.c_contiguous or (x is not None and (
+            node.dtype != np.float32 or x.shape != out.shape or not _native(x, out))):
         return None
-    lib, scale = library(), float(np.float32(1.0 / (1.0 - a["p"])))
-    if not a["draw"]:
-        return _split_calls(lambda lo, hi: functools.partial(
-            lib.gl_dropout_apply, _at(x, 1, lo), _at(mask, 1, lo), _at(out, 1, lo), hi - lo, scale),
-            out.size, 1, (x, mask, out))
-    threshold = keep_threshold(a["p"])
+    lib, threshold = library(), keep_threshold(a["p"])
+    scale = float(np.float32(1.0 / (1.0 - a["p"])))
     base = [0]   # this run's stream start, read by the pieces
     pointers = (_ptr(mask), _ptr(x), _ptr(out))
     draw = _split_calls(lambda lo, hi: lambda: lib.gl_dropout_draw(*pointers, lo, hi, base[0], threshold, scale),
-                        out.size, 1, (x, mask, out))
+                        mask.size, 1, (x, mask, out))
 
     def run():
         base[0] = stream_base(int(key), a["stream"])
@@ -519,10 +510,27 @@ def _dropout_shared(node, out, ins, scratch):
     return run
 
 
+@native_kernel("dropout_keep")
+def _dropout_keep(node, out, ins, scratch):
+    return _draw_closure(node, ins[0], out, None, None)
+
+
+@native_kernel("dropout_apply")
+def _dropout_apply(node, out, ins, scratch):
+    x, mask = ins
+    if (node.dtype != np.float32 or x.shape != out.shape or not _native(x, out)
+            or mask.dtype != np.bool_ or not mask.flags.c_contiguous):
+        return None
+    lib, scale = library(), float(np.float32(1.0 / (1.0 - node.attrs["p"])))
+    return _split_calls(lambda lo, hi: functools.partial(
+        lib.gl_dropout_apply, _at(x, 1, lo), _at(mask, 1, lo), _at(out, 1, lo), hi - lo, scale),
+        out.size, 1, (x, mask, out))
+
+
 @native_kernel("dropout")
 def _dropout(node, out, ins, scratch):
-    attrs = {**node.attrs, "slot": MaskSlot(), "draw": True}
-    return _dropout_shared(FusedNode(node, "dropout_shared", node.inputs, attrs), out, ins, scratch)
+    x, key = ins
+    return _draw_closure(node, key, scratch[0], x, out)
 
 
 # == AdamW ===================================================================================================

@@ -1285,3 +1285,160 @@ def cache_write(cache, value, pos, axis: int) -> Tensor:
     `axis`, in place. Runs after every other node of the program (an update op)."""
     axis = int(axis) % cache.ndim
     return apply("cache_write", (cache, value, pos), axis=axis, writes=(0,))
+
+
+# ================================================================================================
+# ops the graph passes produce (graphlm/passes): each is its decomposition computed in one node
+# ================================================================================================
+# Model code does not build these; a pass (graphlm/passes) rewrites a pattern of the ops above
+# into one of them. The reference executor runs them (so a rewritten graph runs everywhere),
+# their decomposition is the pattern they replace (tests check both agree) and, with no VJP of
+# their own, they are differentiated through it. A node a pass made carries the pass's name in
+# attrs["made_by"] (`op_attrs` leaves it out).
+
+def op_attrs(node: Tensor) -> dict:
+    """A node's op attributes without the provenance a pass adds ("made_by")."""
+    return {k: v for k, v in node.attrs.items() if k != "made_by"}
+
+
+# --- matmul_sum: sum(matmul(a, b), batch axes) as one product over the folded axes ---------------
+def _infer_matmul_sum(inputs, attrs):
+    shape, dtype = _infer_matmul(inputs, attrs)
+    if not attrs["axes"] or any(a >= len(shape) - 2 for a in attrs["axes"]):
+        raise ShapeError(f"matmul_sum sums batch axes only, got axes {attrs['axes']} of {fmt_shape(shape)}")
+    return _reduced_shape(shape, attrs["axes"], attrs["keepdims"]), dtype
+
+
+def matmul_sum_folding(a, b, axes):
+    """The arithmetic of matmul_sum on arrays (every executor follows it): a and b broadcast to
+    their common batch, transposed so that the summed batch axes sit beside the contraction axis;
+    then ``sum(a @ b, axes) = A' @ B'`` with A' = reshape(pa, (..., m, S*k)) and B' =
+    reshape(pb, (..., S*k, n)). Returns (pa, A' shape, pb, B' shape, the product's shape)."""
+    batch = tuple(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
+    nb = len(batch)
+    a = np.broadcast_to(a, batch + a.shape[-2:])
+    b = np.broadcast_to(b, batch + b.shape[-2:])
+    rest = [i for i in range(nb) if i not in axes]
+    summed = [i for i in range(nb) if i in axes]
+    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    s = int(np.prod([batch[i] for i in summed], dtype=np.int64))
+    rest_shape = tuple(batch[i] for i in rest)
+    return (a.transpose(rest + [nb] + summed + [nb + 1]), rest_shape + (m, s * k),
+            b.transpose(rest + summed + [nb, nb + 1]), rest_shape + (s * k, n), rest_shape + (m, n))
+
+
+register("matmul_sum", _infer_matmul_sum,
+         decompose=lambda a, b, axes, keepdims: sum(matmul(a, b), axes, keepdims),
+         doc="sum(a @ b) over batch axes, as one product with the summed axes folded into the "
+             "contraction (a weight gradient; rounds as that one product)",
+         vjp_doc="through its decomposition")
+
+
+# --- slices_assemble: disjoint slice gradients written into one array --------------------------
+def _window_shape(shape, index) -> tuple[int, ...]:
+    return tuple(len(range(*s.indices(d))) for s, d in zip(index, shape) if isinstance(s, _pyslice))
+
+
+def _infer_slices_assemble(inputs, attrs):
+    shape, indexes = tuple(attrs["shape"]), attrs["indexes"]
+    if len(indexes) != len(inputs) or not inputs:
+        raise ShapeError(f"slices_assemble needs one index per input, got {len(indexes)} for {len(inputs)}")
+    for t, index in zip(inputs, indexes):
+        if t.size != int(np.prod(_window_shape(shape, index), dtype=np.int64)):
+            raise ShapeError(f"input {fmt_shape(t.shape)} does not fill window {fmt_shape(_window_shape(shape, index))}")
+    return shape, _same_dtype(inputs)
+
+
+def _slices_assemble_decompose(*srcs, shape, indexes, covered):
+    terms = [apply("slice_backward", (reshape(s, _window_shape(shape, idx)),), in_shape=tuple(shape), index=idx)
+             for s, idx in zip(srcs, indexes)]
+    total = terms[0]
+    for t in terms[1:]:
+        total = total + t
+    return total
+
+
+register("slices_assemble", _infer_slices_assemble, decompose=_slices_assemble_decompose,
+         doc="zeros of `shape` with each input written into its own (disjoint) window: the "
+             "gradient of slices of one array (q, k, v of a fused QKV product)",
+         vjp_doc="through its decomposition")
+
+
+# --- softmax_fused / softmax_backward_fused: attention's scale and causal mask folded in --------
+def _scaled_masked(x, c, mask, scale_pos):
+    if c is not None:
+        x = mul(x, c) if scale_pos == 1 else mul(c, x)
+    if mask is not None:
+        x = causal_mask(x, fill=mask[0], offset=mask[1])
+    return x
+
+
+def _softmax_fused_decompose(x, *c, mask, scale_pos):
+    return softmax(_scaled_masked(x, c[0] if c else None, mask, scale_pos), -1)
+
+
+def _softmax_backward_fused_decompose(y, g, *c, axis, mask, scale_pos):
+    d = apply("softmax_backward", (y, g), axis=axis)
+    if mask is not None:
+        d = causal_mask(d, fill=mask[0], offset=mask[1])
+    if c:
+        d = mul(d, c[0]) if scale_pos == 1 else mul(c[0], d)
+    return d
+
+
+def _infer_softmax_fused(inputs, attrs):
+    x, scale = inputs[0], inputs[1:]
+    _require_float(x)
+    if x.ndim < 2:
+        raise ShapeError(f"needs at least 2-d scores, got {fmt_shape(x.shape)}")
+    if scale and (scale[0].shape != () or scale[0].dtype != x.dtype):
+        raise ShapeError(f"the scale must be a {x.dtype} scalar, got {fmt_shape(scale[0].shape)} {scale[0].dtype}")
+    return x.shape, x.dtype
+
+
+def _infer_softmax_backward_fused(inputs, attrs):
+    y, g = inputs[:2]
+    if y.shape != g.shape:
+        raise ShapeError(f"shapes differ: {fmt_shape(y.shape)} and {fmt_shape(g.shape)}")
+    return _infer_softmax_fused([y, *inputs[2:]], attrs)
+
+
+register("softmax_fused", _infer_softmax_fused, decompose=_softmax_fused_decompose,
+         doc="softmax over the last axis of causal_mask(x * c): attention's scale (optional "
+             "input c) and mask (attrs mask = (fill, offset) or None) folded in",
+         vjp_doc="through its decomposition")
+register("softmax_backward_fused", _infer_softmax_backward_fused, decompose=_softmax_backward_fused_decompose,
+         doc="causal_mask(softmax_backward(y, g), fill=0) * c: softmax_fused's gradient with "
+             "respect to x * c, masked and scaled",
+         vjp_doc="through its decomposition")
+
+
+# --- dropout_keep / dropout_apply: one dropout mask, a tensor shared by forward and backward ----
+def _infer_dropout_keep(inputs, attrs):
+    (key,) = inputs
+    _require_int(key, "dropout key")
+    if not 0.0 <= attrs["p"] < 1.0:
+        raise ShapeError(f"dropout probability must be in [0, 1), got {attrs['p']}")
+    return tuple(attrs["shape"]), np.dtype(np.bool_)
+
+
+def _infer_dropout_apply(inputs, attrs):
+    x, keep = inputs
+    _require_float(x)
+    if keep.dtype != np.bool_ or keep.shape != x.shape:
+        raise ShapeError(f"the keep mask must be bool {fmt_shape(x.shape)}, got {fmt_shape(keep.shape)} {keep.dtype}")
+    return x.shape, x.dtype
+
+
+def _dropout_apply_decompose(x, keep, p):
+    return mul(mul(x, cast(keep, x.dtype)), lift(1.0 / (1.0 - p), x))
+
+
+register("dropout_keep", _infer_dropout_keep, differentiable=False,
+         doc="the keep mask of dropout(p, key, stream): counter_uniform(key, stream, index) >= "
+             "float32(p), as bool",
+         vjp_doc="not differentiable")
+register("dropout_apply", _infer_dropout_apply, decompose=_dropout_apply_decompose,
+         vjp=lambda y, g: [apply("dropout_apply", (g, y.inputs[1]), p=y.attrs["p"]), None],
+         doc="(x * keep) * (1/(1-p)): dropout with its mask as an input",
+         vjp_doc="dropout_apply(g, keep) (the same mask)")

@@ -46,8 +46,10 @@ def test_dropout_forward_and_backward_share_one_mask_and_match_reference(dtype):
     loss = gl.sum(y * y)
     dx = gl.grad(loss, [x])[0]
     prog = NUMPY.compile(g, [y, dx])
-    shared = [n for n in prog.run_nodes if n.op == "dropout_shared"]
-    assert len(shared) == 4 and sum(n.attrs["draw"] for n in shared) == 2   # two streams, two draws
+    applied = [n for n in prog.run_nodes if n.op == "dropout_apply"]
+    masks = [n for n in prog.run_nodes if n.op == "dropout_keep"]
+    assert len(applied) == 4 and len(masks) == 2   # two streams, two draws, each mask read twice
+    assert sorted(n.inputs[1].id for n in applied) == sorted(2 * [m.id for m in masks])
     rng = np.random.default_rng(0)
     xv = rng.standard_normal((4, 33)).astype(dtype)
     xv[0, :3] = [np.inf, -np.inf, np.nan]
@@ -115,7 +117,8 @@ def test_blocked_kernels_match_reference_bit_for_bit(monkeypatch, block, dtype, 
     state = {"w": rng.standard_normal(64).astype(dtype), "b": rng.standard_normal(64).astype(dtype)}
     ops = {n.op for n in NUMPY.compile(g, [loss, m, *grads, strided]).run_nodes}
     gelu = {"gelu", "gelu_backward"} if dtype == "float64" else {"gelu_keep_sigmoid", "gelu_backward_sigmoid"}
-    assert {"layer_norm_keep", "layer_norm_kept", "layer_norm_backward_kept", "dropout_shared"} | gelu <= ops
+    assert {"layer_norm_keep", "layer_norm_kept", "layer_norm_backward_kept", "dropout_apply",
+            "dropout_keep"} | gelu <= ops
     got, want = run_both(g, [loss, m, *grads, strided], feeds, state)
     for a_, b_ in zip(got[:-1], want[:-1]):
         np.testing.assert_array_equal(a_, b_)

@@ -189,8 +189,12 @@ def cmd_render(args) -> int:
     config = _config_of(args)
     graph, outputs, _ = build_model_graph(config, args.graph, args.batch_size, args.seq_len)
     plan = None
-    if args.plan:
-        plan = _compile_numpy(graph, outputs).plan
+    if args.plan:   # the graph the executor planned: after its passes
+        program = _compile_numpy(graph, outputs)
+        graph, plan = program.graph, program.plan
+    elif args.passes:
+        from graphlm.passes import run_pipeline
+        graph = run_pipeline(args.passes, graph, outputs).graph
     start = time.perf_counter()
     if html:
         from .html_page import write_page
@@ -327,6 +331,8 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from graphlm.passes import PIPELINES
+
     parser = argparse.ArgumentParser(
         prog="graphlm", description="graphlm: draw, count, plan, train and sample GPT-style "
         "models built as static graphs.",
@@ -356,6 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", action="store_true",
                    help="annotate arena offsets, in-place nodes and views from the numpy "
                         "executor's memory plan (default: off)")
+    p.add_argument("--passes", default=None, choices=sorted(PIPELINES),
+                   help="draw the graph after a pass pipeline (graphlm/passes), e.g. numpy, the "
+                        "one the numpy executor runs; --plan implies it (default: the graph as built)")
     p.add_argument("--timeout", type=float_at_least(0.0, strict=True), default=120.0,
                    help="seconds to let Graphviz run (default: %(default)s)")
     p.set_defaults(func=cmd_render)

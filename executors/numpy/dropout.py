@@ -1,5 +1,5 @@
-"""Kernels of the numpy executor: dropout (the counter-based keep mask, drawn in cache-sized
-chunks, shared by a forward and its backward) and the dropout mask op."""
+"""Kernels of the numpy executor: dropout's keep mask (counter-based, drawn in cache-sized chunks),
+its application, a dropout node left whole, and the dropout mask op."""
 from __future__ import annotations
 
 import functools
@@ -10,7 +10,6 @@ import numpy as np
 from graphlm.random import GOLDEN, MASK64, MIX1, MIX2, dropout_keep_scale, stream_base
 
 from . import pool
-from .passes import FusedNode, MaskSlot
 from .pool import parallel
 from .table import kernel
 from .tiling import blocked, even_cuts
@@ -74,40 +73,42 @@ def keep_mask_drawer(shape, stream: int, p: float):
     return draw
 
 
-def _dropout_mask_scratch(node, pos):
-    """The drawing node's mask, planned in the arena and live until the last node reading it."""
-    return [(node.shape, np.bool_, node.attrs["slot"].until)] if node.attrs.get("draw", True) else []
-
-
-@kernel("dropout_shared", inplace=(0,), scratch=_dropout_mask_scratch)
-def build_dropout_shared(node, out, ins, scratch):
-    x, key = ins
-    a = node.attrs
-    slot = a["slot"]
-    scale = np.asarray(1.0 / (1.0 - a["p"]), dtype=node.dtype)
-    if a["draw"]:
-        (slot.mask,) = scratch
-        draw = keep_mask_drawer(node.shape, a["stream"], a["p"])
-    mask = slot.mask
+def _apply_mask(x, mask, out, p: float, dtype):
+    """A closure computing out = (x * mask) * (1/(1-p)) block by block."""
+    scale = np.asarray(1.0 / (1.0 - p), dtype=dtype)
 
     def body(x, mask, out):  # x * keep * scale == x * (keep * scale) bit for bit (keep is 0 or 1)
         np.multiply(x, mask, out=out)
         np.multiply(out, scale, out=out)
-    apply = blocked(body, [x, mask, out])
-    if not a["draw"]:
-        return apply
+    return blocked(body, [x, mask, out])
+
+
+@kernel("dropout_keep")
+def _dropout_keep(node, out, ins, scratch):
+    (key,) = ins
+    draw = keep_mask_drawer(node.shape, node.attrs["stream"], node.attrs["p"])
+    return lambda: draw(int(key), out)
+
+
+@kernel("dropout_apply", inplace=(0,))
+def _dropout_apply(node, out, ins, scratch):
+    x, mask = ins
+    return _apply_mask(x, mask, out, node.attrs["p"], node.dtype)
+
+
+@kernel("dropout", inplace=(0,), scratch=lambda node, pos: [(node.shape, np.bool_)])
+def _dropout(node, out, ins, scratch):
+    """A dropout node left as it is (the dropout_masks pass normally rewrites it): the mask drawn
+    into scratch, then applied."""
+    x, key = ins
+    (mask,) = scratch
+    draw = keep_mask_drawer(node.shape, node.attrs["stream"], node.attrs["p"])
+    apply = _apply_mask(x, mask, out, node.attrs["p"], node.dtype)
 
     def run():
         draw(int(key), mask)
         apply()
     return run
-
-
-@kernel("dropout", inplace=(0,), scratch=lambda node, pos: [(node.shape, np.bool_)])
-def _dropout(node, out, ins, scratch):
-    """A dropout node compiled on its own (share_dropout_masks normally replaces it)."""
-    attrs = {**node.attrs, "slot": MaskSlot(), "draw": True}
-    return build_dropout_shared(FusedNode(node, "dropout_shared", node.inputs, attrs), out, ins, scratch)
 
 
 @kernel("dropout_mask")

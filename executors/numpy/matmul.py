@@ -6,11 +6,13 @@ import functools
 
 import numpy as np
 
+from graphlm.ops import matmul_sum_folding
+
 from ..planner import ALIGN
 from . import pool
 from .pool import threaded
 from .table import kernel
-from .tiling import balanced_axis, cut_along, even_cuts
+from .tiling import balanced_axis, cut_along, even_cuts, flat_view
 
 
 ROW_QUANTUM_CANDIDATES = (8, 16, 24, 32, 48, 64, 96)   # matmul row blocks: see matmul_parts
@@ -107,25 +109,35 @@ def _matmul(node, out, ins, scratch):
 
 def matmul_sum_operands(a, b, axes):
     """Views A' [..., m, S*k] and B' [..., S*k, n] such that sum over `axes` of a @ b is A' @ B'
-    (the summed batch axes folded into the contraction), or None when NumPy would need copies."""
-    batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-    nb = len(batch)
-    a = np.broadcast_to(a, batch + a.shape[-2:])
-    b = np.broadcast_to(b, batch + b.shape[-2:])
-    rest = [i for i in range(nb) if i not in axes]
-    summed = [i for i in range(nb) if i in axes]
-    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
-    s = int(np.prod([batch[i] for i in summed], dtype=np.int64))
-    rest_shape = tuple(batch[i] for i in rest)
+    (graphlm.ops.matmul_sum_folding), or None when NumPy would need copies."""
+    pa, sa, pb, sb, shape = matmul_sum_folding(a, b, axes)
     try:
-        a2 = np.reshape(a.transpose(rest + [nb] + summed + [nb + 1]), rest_shape + (m, s * k), copy=False)
-        b2 = np.reshape(b.transpose(rest + summed + [nb, nb + 1]), rest_shape + (s * k, n), copy=False)
+        return np.reshape(pa, sa, copy=False), np.reshape(pb, sb, copy=False), shape
     except ValueError:
         return None
-    return a2, b2, rest_shape + (m, n)
+
+
+def _folded_operand(perm, shape):
+    """(A', refresh): A' a view of `perm` reshaped to `shape`, or, where its strides do not
+    allow that, a buffer made once here and refreshed from `perm` by calling `refresh()`."""
+    view = flat_view(perm, shape)
+    if view is not None:
+        return view, None
+    buf = np.empty(shape, perm.dtype)
+    return buf, functools.partial(np.copyto, np.reshape(buf, perm.shape), perm)
 
 
 @kernel("matmul_sum")
 def _matmul_sum(node, out, ins, scratch):
-    a2, b2, shape = matmul_sum_operands(ins[0], ins[1], node.attrs["axes"])
-    return matmul_closure(a2, b2, np.reshape(out, shape, copy=False))
+    pa, sa, pb, sb, shape = matmul_sum_folding(ins[0], ins[1], node.attrs["axes"])
+    (a2, refresh_a), (b2, refresh_b) = _folded_operand(pa, sa), _folded_operand(pb, sb)
+    product = matmul_closure(a2, b2, np.reshape(out, shape, copy=False))
+    refresh = [r for r in (refresh_a, refresh_b) if r is not None]
+    if not refresh:
+        return product
+
+    def run():   # (operands whose strides fold only through a copy: rare, outside the arena)
+        for r in refresh:
+            r()
+        product()
+    return run

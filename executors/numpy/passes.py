@@ -1,21 +1,14 @@
-"""The numpy executor's compile-time rewrites of the run list (before planning). Each replaces
-graph nodes by `FusedNode`s that name executor-private kernels; none changes a result bit except
-`fuse_matmul_sums` (a folded product rounds its own way):
-
-`fuse_matmul_sums` (the weight gradient of a batched ``x @ w``: the summed batch folded into one
-matmul), `assemble_slice_gradients` (the QKV gradient in one node), `fuse_attention_softmax`
-(scale and causal mask folded into softmax and its backward), `share_dropout_masks` (one mask
-per forward/backward pair, drawn once per run), `pair_gelu_backward`, `pair_layer_norm_backward`
-and `pair_attention_backward` (the forward keeps what the backward would recompute, in arena
-blocks that live until their last reader).
+"""The numpy executor's own rewrites of the run list, after the graph passes (graphlm/passes) and
+before planning: a forward kernel keeps what its backward would recompute. Each replaces graph
+nodes by `FusedNode`s naming executor-private kernels (no result bit changes):
+`pair_gelu_backward` (the tanh GELU's sigmoid), `pair_layer_norm_backward` (xc and the row
+scale) and `pair_attention_backward` (the attention scores E and row sums l), kept in arena
+blocks that live until their last reader (kernel scratch specs ``(shape, dtype, until_node_id)``).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from ..planner import _proto
-from .matmul import matmul_sum_operands
-from .tiling import flat_view
 
 
 class SavedSigmoid:
@@ -77,174 +70,6 @@ class FusedNode:
     size = property(lambda self: int(np.prod(self.shape, dtype=np.int64)))
     nbytes = property(lambda self: self.size * self.dtype.itemsize)
     label = property(lambda self: self.node.label)
-
-
-def fuse_matmul_sums(nodes, outputs, protos):
-    """Replace ``sum(matmul(a, b), batch axes)`` (a batched product's weight gradient) by one
-    matmul over the folded axes when the matmul has no other use. Returns (new node list,
-    {matmul node: fused node})."""
-    consumers: dict[int, list] = {}
-    for n in nodes:
-        for i in n.inputs:
-            consumers.setdefault(i.id, []).append(n)
-    output_ids = {o.id for o in outputs}
-    replace, fused = {}, {}
-    for n in nodes:
-        if n.op != "sum" or n.inputs[0].op != "matmul":
-            continue
-        mm = n.inputs[0]
-        axes = n.attrs["axes"]
-        if mm.id in output_ids or len(consumers.get(mm.id, ())) != 1 or not axes \
-                or max(axes) >= mm.ndim - 2 or mm.dtype.kind != "f":
-            continue
-        a, b = (protos[i.id] for i in mm.inputs)
-        if matmul_sum_operands(a, b, axes) is None:
-            continue
-        f = FusedNode(n, "matmul_sum", mm.inputs, dict(n.attrs))
-        replace[n.id] = f
-        fused[mm] = f
-    if not fused:
-        return list(nodes), {}
-    skip = {mm.id for mm in fused}
-    return [replace.get(n.id, n) for n in nodes if n.id not in skip], fused
-
-
-def assemble_slice_gradients(nodes, outputs):
-    """Replace a tree of ``add`` nodes over ``slice_backward`` nodes with disjoint windows (the
-    gradient of q, k and v sliced from one fused QKV product) by one ``slices_assemble`` node that
-    writes each gradient into its window (zero-filling only what no window covers), reading
-    through any reshape chain above a gradient instead of copying it. Every covered element is
-    ``g + 0`` exactly as the reference's sum of zero-padded arrays. Returns the new node list."""
-    uses: dict[int, int] = {}
-    for n in nodes:
-        for i in n.inputs:
-            uses[i.id] = uses.get(i.id, 0) + 1
-    output_ids = {o.id for o in outputs}
-    private = lambda n: uses.get(n.id, 0) == 1 and n.id not in output_ids
-
-    def leaves(n, inner):
-        if n.op == "slice_backward":
-            return [n]
-        if n.op == "add" and all(i.shape == n.shape for i in n.inputs) and n.inputs[0] is not n.inputs[1]:
-            found = []
-            for i in n.inputs:
-                if not private(i):
-                    return None
-                sub = leaves(i, inner)
-                if sub is None:
-                    return None
-                found += sub
-            inner.append(n)
-            return found
-        return None
-
-    replace, removed = {}, set()
-    for n in reversed(nodes):
-        if n.op != "add" or n.id in removed or n.dtype.kind != "f":
-            continue
-        inner: list = []
-        found = leaves(n, inner)
-        if not found or len(found) < 2:
-            continue
-        cover = np.zeros(n.shape, np.int8)
-        for sb in found:
-            cover[sb.attrs["index"]] += 1
-        if cover.max() > 1:
-            continue
-        srcs, shapes = [], []
-        base = _proto(n.shape, n.dtype)
-        for sb in found:
-            src, window = sb.inputs[0], base[sb.attrs["index"]]
-            while src.op == "reshape" and private(src) and flat_view(window, src.inputs[0].shape) is not None:
-                src = src.inputs[0]
-            srcs.append(src)
-            shapes.append(src.shape)
-        removed.update(x.id for x in inner)
-        removed.update(sb.id for sb in found)
-        for sb, src in zip(found, srcs):   # the reshapes read through
-            r = sb.inputs[0]
-            while r is not src:
-                removed.add(r.id)
-                r = r.inputs[0]
-        removed.discard(n.id)
-        replace[n.id] = FusedNode(n, "slices_assemble", srcs,
-                                  {"indexes": [sb.attrs["index"] for sb in found],
-                                   "covered": bool(cover.min() == 1)})
-    if not replace:
-        return list(nodes)
-    return [replace.get(n.id, n) for n in nodes if n.id not in removed]
-
-
-def scalar_const(n):
-    """(other input, const input, const position) when `n` is a mul by a 0-d const, else None."""
-    if n.op != "mul" or len(n.inputs) != 2:
-        return None
-    for pos in (0, 1):
-        c = n.inputs[pos]
-        if c.op == "const" and c.shape == () and c.dtype == n.dtype and n.inputs[1 - pos].shape == n.shape:
-            return n.inputs[1 - pos], c, pos
-    return None
-
-
-def fuse_attention_softmax(nodes, outputs):
-    """Fold the scale and the causal mask around a softmax over the last axis into it, forward
-    ``softmax(causal_mask(x * c))`` -> ``softmax_fused`` and backward
-    ``causal_mask(softmax_backward(y, g), fill=0) * c`` -> ``softmax_backward_fused``, when the
-    intermediates have no other use. The fused kernels run the same arithmetic block by block
-    over whole T x S matrices (bit-identical, and two full passes over the scores fewer each
-    way). Returns the new node list."""
-    uses: dict[int, int] = {}
-    for n in nodes:
-        for i in n.inputs:
-            uses[i.id] = uses.get(i.id, 0) + 1
-    output_ids = {o.id for o in outputs}
-    private = lambda n: uses.get(n.id, 0) == 1 and n.id not in output_ids
-    last = lambda n: n.ndim >= 2 and n.attrs.get("axis") == n.ndim - 1
-    replace, removed = {}, set()
-    for n in nodes:
-        if n.op == "softmax" and last(n) and n.dtype.kind == "f":
-            src, mask, scale = n.inputs[0], None, None
-            if src.op == "causal_mask" and private(src):
-                mask, removed_here, src = src, [src.id], src.inputs[0]
-            else:
-                removed_here = []
-            sc = scalar_const(src) if private(src) else None
-            if sc is not None:
-                removed_here.append(src.id)
-                scale, src = sc, sc[0]
-            if mask is None and scale is None:
-                continue
-            ins = [src] + ([scale[1]] if scale else [])
-            replace[n.id] = FusedNode(n, "softmax_fused", ins, {
-                "mask": (mask.attrs["fill"], mask.attrs["offset"]) if mask is not None else None,
-                "scale_pos": scale[2] if scale else None})
-            removed.update(removed_here)
-        elif n.op in ("mul", "causal_mask") and n.dtype.kind == "f":
-            root, scale, mask = n, None, None
-            sc = scalar_const(n)
-            cur = n
-            if sc is not None:
-                scale, cur = sc, sc[0]
-                if not private(cur):
-                    continue
-            if cur.op == "causal_mask" and cur.attrs["fill"] == 0.0:
-                mask, cur = cur, cur.inputs[0]
-                if not private(cur):
-                    continue
-            if cur.op != "softmax_backward" or not last(cur) or (mask is None and scale is None) \
-                    or (mask is not None and mask is not n and scale is None):
-                continue
-            if scale is None and n.op != "causal_mask":
-                continue
-            removed.update(x.id for x in (cur, mask) if x is not None and x is not root)
-            ins = list(cur.inputs) + ([scale[1]] if scale else [])
-            replace[root.id] = FusedNode(root, "softmax_backward_fused", ins, {
-                "axis": cur.attrs["axis"],
-                "mask": (0.0, mask.attrs["offset"]) if mask is not None else None,
-                "scale_pos": scale[2] if scale else None})
-    if not replace:
-        return list(nodes)
-    return [replace.get(n.id, n) for n in nodes if n.id not in removed]
 
 
 class SavedScores:
@@ -317,28 +142,3 @@ def pair_layer_norm_backward(nodes):
     return out
 
 
-class MaskSlot:
-    """The keep mask shared by the dropout nodes of one (key, stream, p, shape): drawn once per
-    run by the first of them (the forward), read by the others (the backward)."""
-
-    def __init__(self):
-        self.mask: np.ndarray | None = None
-        self.until: int | None = None   # the last dropout node reading the mask
-
-
-def share_dropout_masks(nodes):
-    """Replace every ``dropout`` node by a ``dropout_shared`` node: nodes with the same key input,
-    stream, p, shape and dtype (a forward dropout and its backward) share one boolean mask, drawn
-    by the first of them in run order. Returns the new node list."""
-    slots: dict[tuple, MaskSlot] = {}
-    out = []
-    for n in nodes:
-        if n.op != "dropout":
-            out.append(n)
-            continue
-        key = (n.inputs[1].id, n.attrs["stream"], n.attrs["p"], n.shape, n.dtype.str)
-        draw = key not in slots
-        slot = slots.setdefault(key, MaskSlot())
-        slot.until = n.id   # nodes come in run order: the last one met reads the mask last
-        out.append(FusedNode(n, "dropout_shared", n.inputs, {**n.attrs, "slot": slot, "draw": draw}))
-    return out

@@ -17,15 +17,20 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from graphlm.passes import run_pipeline
+
 from .. import reference
-from ..base import Program
-from ..planner import ALIGN, Plan, apply_view, layouts, make_plan
+from ..base import Program, normalize_outputs
+from ..planner import ALIGN, Plan, apply_view, make_plan
 from .attention import ROUNDS_OWN_WAY
-from .passes import assemble_slice_gradients, fuse_attention_softmax, fuse_matmul_sums, pair_attention_backward, pair_gelu_backward, pair_layer_norm_backward, share_dropout_masks
+from .passes import pair_attention_backward, pair_gelu_backward, pair_layer_norm_backward
 from .table import KERNELS, Kernel, inplace_positions, kernel_for, scratch_specs
 
 
 # == the program ===========================================================================================
+
+KEPT_VALUE_OPS = {"dropout_keep"}   # ops a graph pass adds only to keep a value for the backward
+
 
 class NumpyProgram(Program):
     """A graph compiled onto one planned arena; see the module docstring."""
@@ -33,22 +38,23 @@ class NumpyProgram(Program):
     executor_name = "numpy"
     kernels: dict[str, Kernel] = KERNELS   # op -> kernel (a derived executor swaps in its own table)
     tolerances = {"float64": 1e-12, "float32": 1e-6}   # against the reference (base.Program)
+    pipeline = "numpy"                     # the graph passes it runs first (graphlm/passes/pipelines.py)
 
     def __init__(self, graph, outputs, poison: bool = False):
-        super().__init__(graph, outputs, set(self.kernels) | set(reference.KERNELS))
-        protos = layouts(self.nodes)[0]
-        self.run_nodes, fused = fuse_matmul_sums(self.nodes, self.outputs, protos)
-        self.run_nodes = assemble_slice_gradients(self.run_nodes, self.outputs)
-        self.run_nodes = fuse_attention_softmax(self.run_nodes, self.outputs)
-        self.run_nodes = pair_layer_norm_backward(pair_gelu_backward(share_dropout_masks(self.run_nodes)))
+        # the graph passes: the program compiles the rewritten graph (`self.graph`); the source
+        # graph and the map from its nodes to theirs stay in `self.rewritten`
+        self.rewritten = run_pipeline(self.pipeline, graph, normalize_outputs(graph, outputs))
+        super().__init__(self.rewritten.graph, self.rewritten.outputs, set(self.kernels) | set(reference.KERNELS))
+        self.source_graph = graph   # (the base class names the graph it was given: the rewritten one)
+        self.run_nodes = pair_layer_norm_backward(pair_gelu_backward(self.nodes))
         self.run_nodes = pair_attention_backward(self.run_nodes)
         table = self.kernels
         self.plan: Plan = make_plan(self.run_nodes, self.outputs,
                                     functools.partial(inplace_positions, table=table),
-                                    functools.partial(scratch_specs, table=table), fused)
-        # False where a kernel rounds differently from the reference (tests then compare within
-        # a tolerance instead of bit for bit): a folded matmul sum, the blocked causal attention
-        self.rounds_like_reference = not fused and not any(self.rounds_own_way(n) for n in self.run_nodes)
+                                    functools.partial(scratch_specs, table=table))
+        # False where a kernel rounds differently from the reference run of the source graph
+        # (tests then compare within a tolerance): a folded matmul sum, the blocked causal attention
+        self.rounds_like_reference = not any(self.rounds_own_way(n) for n in self.run_nodes)
         raw = np.empty(self.plan.arena_bytes + ALIGN, dtype=np.uint8)
         start = (-raw.__array_interface__["data"][0]) % ALIGN
         self._arena = raw[start:start + self.plan.arena_bytes]
@@ -67,14 +73,17 @@ class NumpyProgram(Program):
 
     def rounds_own_way(self, node) -> bool:
         """Whether this program's kernel for `node` rounds differently from the reference's."""
-        return node.op in ROUNDS_OWN_WAY
+        return node.op in ROUNDS_OWN_WAY or node.op == "matmul_sum"
 
     def kept_bytes(self) -> int:
-        """Bytes fused kernels keep from forward to backward (dropout masks, GELU tanh, layer-norm
-        statistics). They are arena blocks like any other, live until their last reader, so they
-        are already inside `plan.arena_bytes`; this says how much of the arena they take at most."""
-        return sum(int(np.prod(sc.shape, dtype=np.int64)) * sc.dtype.itemsize
-                   for lst in self.plan.scratch.values() for sc in lst if sc.kept)
+        """Bytes kept from forward to backward beyond the graph's own activations: the kept-value
+        tensors of the graph passes (dropout keep masks) and what fused kernels keep (GELU's
+        sigmoid, layer-norm statistics, attention scores). They are arena blocks like any other,
+        live until their last reader, so they are already inside `plan.arena_bytes`; this says how
+        much of the arena they take at most."""
+        tensors = sum(n.nbytes for n in self.run_nodes if n.op in KEPT_VALUE_OPS)
+        return tensors + sum(int(np.prod(sc.shape, dtype=np.int64)) * sc.dtype.itemsize
+                             for lst in self.plan.scratch.values() for sc in lst if sc.kept)
 
     def poison_arena(self) -> None:
         """Fill the arena and output buffers with NaN bytes (0xFF): a debugging aid and a test that
@@ -191,6 +200,7 @@ class NumpyExecutor:
 
     name = "numpy"
     kernels = KERNELS
+    pipeline = NumpyProgram.pipeline
 
     def compile(self, graph, outputs, poison: bool = False) -> NumpyProgram:
         return NumpyProgram(graph, outputs, poison=poison)
