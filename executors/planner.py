@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from graphlm.ir import Tensor
-from graphlm.layout import VIEW_OPS, apply_view, layouts  # noqa: F401 (VIEW_OPS, layouts: re-exported)
+from graphlm.layout import apply_view, layouts
 from graphlm.layout import address as _address, stand_in as _proto
 from graphlm.registry import REGISTRY
 

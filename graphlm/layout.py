@@ -11,7 +11,6 @@ import numpy as np
 from .ir import Tensor
 from .registry import REGISTRY
 
-VIEW_OPS = ("reshape", "transpose", "broadcast_to", "slice")   # the ops apply_view knows
 
 
 def apply_view(node: Tensor, arr: np.ndarray) -> np.ndarray:
@@ -26,7 +25,7 @@ def apply_view(node: Tensor, arr: np.ndarray) -> np.ndarray:
         return np.broadcast_to(arr, node.shape)
     if op == "slice":
         return arr[node.attrs["index"]]
-    raise ValueError(f"{op} is not a view op")
+    raise NotImplementedError(f"{op} is registered as a view op but graphlm/layout.py cannot apply it")
 
 
 def address(arr: np.ndarray) -> int:
@@ -69,7 +68,8 @@ def layouts(nodes: Sequence[Tensor]):
     view_offset: dict[int, int] = {}
     is_view: set[int] = set()
     for n in nodes:
-        if n.op in VIEW_OPS and REGISTRY[n.op].view:
+        op = REGISTRY.get(n.op)   # (None: an executor-private fused op, never a view)
+        if op is not None and op.view:   # (graphlm/ops.py says which ops are views; apply_view says how)
             src = n.inputs[0]
             try:
                 p = apply_view(n, protos[src.id])

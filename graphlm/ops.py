@@ -18,7 +18,6 @@ from .registry import apply, graph_of, register
 
 _pysum, _pymax, _pyslice = builtins.sum, builtins.max, builtins.slice
 
-FLOAT_KINDS = "f"
 
 
 # ================================================================================================
@@ -105,11 +104,6 @@ def _reduced_shape(shape, axes, keepdims):
     return tuple(d for i, d in enumerate(shape) if i not in axes)
 
 
-def _last_axis(axis, ndim):
-    (a,) = normalize_axes(axis, ndim)
-    return a
-
-
 # ================================================================================================
 # leaves (made by Graph.input/param/state/const, never by apply)
 # ================================================================================================
@@ -144,12 +138,12 @@ def _infer_compare(inputs, attrs):
 
 
 def _unary(name, vjp, doc, vjp_doc, decompose=None):
-    register(name, _infer_same, vjp=vjp, decompose=decompose, elementwise=True, inplace=True,
+    register(name, _infer_same, vjp=vjp, decompose=decompose, elementwise=True,
              doc=doc, vjp_doc=vjp_doc)
 
 
 def _binary(name, vjp, doc, vjp_doc):
-    register(name, _infer_binary, vjp=vjp, elementwise=True, inplace=True, doc=doc, vjp_doc=vjp_doc)
+    register(name, _infer_binary, vjp=vjp, elementwise=True, doc=doc, vjp_doc=vjp_doc)
 
 
 # --- add, sub, mul, div, maximum ------------------------------------------------------------------
@@ -246,7 +240,7 @@ def _where_vjp(y, g):
     return [None, unbroadcast(where(c, g, zero), a.shape), unbroadcast(where(c, zero, g), b.shape)]
 
 
-register("where", _infer_where, vjp=_where_vjp, elementwise=True, inplace=True,
+register("where", _infer_where, vjp=_where_vjp, elementwise=True,
          doc="cond ? a : b (broadcasting)", vjp_doc="-, where(c, g, 0), where(c, 0, g)")
 
 
@@ -345,7 +339,7 @@ def _infer_pow(inputs, attrs):
     return _infer_same(inputs, attrs)
 
 
-register("pow", _infer_pow, elementwise=True, inplace=True,
+register("pow", _infer_pow, elementwise=True,
          vjp=lambda y, g: [g * (pow(y.inputs[0], y.attrs["exponent"] - 1.0) * y.attrs["exponent"])],
          doc="x ** p for a Python scalar p", vjp_doc="g*p*x^(p-1)")
 
@@ -421,10 +415,10 @@ def _gelu_backward_decompose(x, g, approximate):
     return g * d
 
 
-register("gelu", _infer_gelu, elementwise=True, inplace=True, decompose=_gelu_decompose,
+register("gelu", _infer_gelu, elementwise=True, decompose=_gelu_decompose,
          vjp=lambda y, g: [apply("gelu_backward", (y.inputs[0], g), **y.attrs)],
          doc="GELU; approximate='tanh' (GPT-2) or 'none' (erf)", vjp_doc="gelu_backward(x, g)")
-register("gelu_backward", _infer_gelu, elementwise=True, inplace=True,
+register("gelu_backward", _infer_gelu, elementwise=True,
          decompose=_gelu_backward_decompose,
          doc="g * gelu'(x)", vjp_doc="through its decomposition")
 
@@ -827,16 +821,16 @@ def _log_softmax_decompose(x, axis):
     return s - log(sum(exp(s), axis, keepdims=True))
 
 
-register("softmax", _infer_axis_op, decompose=_softmax_decompose, inplace=True,
+register("softmax", _infer_axis_op, decompose=_softmax_decompose,
          vjp=lambda y, g: [apply("softmax_backward", (y, g), axis=y.attrs["axis"])],
          doc="exp(x)/sum(exp(x)) along an axis", vjp_doc="softmax_backward(y, g)")
-register("softmax_backward", _infer_axis_op, inplace=True,
+register("softmax_backward", _infer_axis_op,
          decompose=lambda y, g, axis: y * (g - sum(g * y, axis, keepdims=True)),
          doc="y*(g - sum(g*y))", vjp_doc="through its decomposition")
-register("log_softmax", _infer_axis_op, decompose=_log_softmax_decompose, inplace=True,
+register("log_softmax", _infer_axis_op, decompose=_log_softmax_decompose,
          vjp=lambda y, g: [apply("log_softmax_backward", (y, g), axis=y.attrs["axis"])],
          doc="x - logsumexp(x) along an axis", vjp_doc="log_softmax_backward(y, g)")
-register("log_softmax_backward", _infer_axis_op, inplace=True,
+register("log_softmax_backward", _infer_axis_op,
          decompose=lambda y, g, axis: g - exp(y) * sum(g, axis, keepdims=True),
          doc="g - exp(y)*sum(g)", vjp_doc="through its decomposition")
 
@@ -893,7 +887,7 @@ def _lead_axes(x):
 def _layer_norm_decompose(*inputs, eps, has_weight, has_bias):
     x, w, b, _ = norm_parts(inputs, dict(has_weight=has_weight, has_bias=has_bias))
     xc = x - mean(x, -1, keepdims=True)
-    y = xc * rsqrt(mean(square(xc), -1, keepdims=True) + eps)
+    y = xc / sqrt(mean(xc * xc, -1, keepdims=True) + eps)   # the order every executor follows
     if w is not None:
         y = y * w
     if b is not None:
@@ -924,10 +918,10 @@ def _layer_norm_vjp(y, g):
     return grads
 
 
-register("layer_norm", _infer_norm, decompose=_layer_norm_decompose, vjp=_layer_norm_vjp, inplace=True,
+register("layer_norm", _infer_norm, decompose=_layer_norm_decompose, vjp=_layer_norm_vjp,
          doc="(x-mean)/sqrt(var+eps)*w+b over the last axis",
          vjp_doc="layer_norm_backward(x, w, g); sum(g*xhat); sum(g)")
-register("layer_norm_backward", _infer_norm, decompose=_layer_norm_backward_decompose, inplace=True,
+register("layer_norm_backward", _infer_norm, decompose=_layer_norm_backward_decompose,
          doc="dx of layer_norm", vjp_doc="through its decomposition")
 
 
@@ -961,10 +955,10 @@ def _rms_norm_vjp(y, g):
     return [dx, sum(g * rms_norm(x, eps=eps), _lead_axes(x))]
 
 
-register("rms_norm", _infer_norm, decompose=_rms_norm_decompose, vjp=_rms_norm_vjp, inplace=True,
+register("rms_norm", _infer_norm, decompose=_rms_norm_decompose, vjp=_rms_norm_vjp,
          doc="x/sqrt(mean(x^2)+eps)*w over the last axis",
          vjp_doc="rms_norm_backward(x, w, g); sum(g*x/rms)")
-register("rms_norm_backward", _infer_norm, decompose=_rms_norm_backward_decompose, inplace=True,
+register("rms_norm_backward", _infer_norm, decompose=_rms_norm_backward_decompose,
          doc="dx of rms_norm", vjp_doc="through its decomposition")
 
 
@@ -1024,7 +1018,7 @@ def _causal_mask_decompose(x, fill, offset):
     return where(x.graph.const(keep), x, lift(fill, x))
 
 
-register("causal_mask", _infer_causal_mask, decompose=_causal_mask_decompose, inplace=True,
+register("causal_mask", _infer_causal_mask, decompose=_causal_mask_decompose,
          elementwise=False,
          vjp=lambda y, g: [apply("causal_mask", (g,), fill=0.0, offset=y.attrs["offset"])],
          doc="fill entries above the diagonal (j > i + offset) of the last two axes",
@@ -1115,7 +1109,7 @@ def _infer_dropout_mask(inputs, attrs):
     return tuple(attrs["shape"]), np.dtype(attrs["dtype"])
 
 
-register("dropout", _infer_dropout, inplace=True, elementwise=False,
+register("dropout", _infer_dropout, elementwise=False,
          decompose=lambda x, key, p, stream: x * apply("dropout_mask", (key,), p=p, stream=stream,
                                                        shape=x.shape, dtype=x.dtype.str),
          vjp=lambda y, g: [apply("dropout", (g, y.inputs[1]), **y.attrs), None],
