@@ -359,14 +359,13 @@ def _gelu(node, out, ins, scratch):
     return _gelu_closure(node, x, out, None)
 
 
-@native_kernel("gelu_keep_sigmoid")
-def _gelu_keep_sigmoid(node, out, ins, scratch):
+@native_kernel("gelu_keep")
+def _gelu_keep(node, out, ins, scratch):
     (x,) = ins
-    (s,) = scratch
-    if not _native(x, out, s):
+    y, s = out[0, ...], out[1, ...]
+    if node.dtype != np.float32 or not _native(x, y, s):
         return None
-    node.attrs["slot"].s = s
-    return _gelu_closure(node, x, out, s)
+    return _gelu_closure(node, x, y, s)
 
 
 def _gelu_backward_closure(x, g, s, out):
@@ -386,9 +385,8 @@ def _gelu_backward(node, out, ins, scratch):
 
 @native_kernel("gelu_backward_sigmoid")
 def _gelu_backward_sigmoid(node, out, ins, scratch):
-    x, g = ins
-    s = node.attrs["slot"].s
-    if not _native(x, g, s, out):
+    x, g, s = ins
+    if node.dtype != np.float32 or not _native(x, g, s, out):
         return None
     return _gelu_backward_closure(x, g, s, out)
 
@@ -577,7 +575,7 @@ def _adamw_update(node, out, ins, scratch):
 # == the program and executor =================================================================================
 
 # float32 kernels that round their own way (another exp, row sums in another order)
-NATIVE_ROUNDING = {"exp", "gelu", "gelu_keep_sigmoid", "gelu_backward", "gelu_backward_sigmoid",
+NATIVE_ROUNDING = {"exp", "gelu", "gelu_keep", "gelu_backward", "gelu_backward_sigmoid",
                    "layer_norm", "layer_norm_keep", "layer_norm_backward", "layer_norm_backward_kept"}
 
 

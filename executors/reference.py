@@ -320,7 +320,7 @@ def matmul_sum(node, a, b):
 def slices_assemble(node, *srcs):
     out = np.zeros(node.shape, node.dtype)
     for src, index in zip(srcs, node.attrs["indexes"]):
-        window = out[index]
+        window = out[tuple(index) + (Ellipsis,)]
         window[...] = src.reshape(window.shape) + _s(0.0, src)   # as the sum of zero-padded slices
     return out
 
@@ -363,6 +363,17 @@ def dropout_keep(node, key):
 @kernel("dropout_apply")
 def dropout_apply(node, x, keep):
     return x * keep.astype(x.dtype) * _s(1.0 / (1.0 - node.attrs["p"]), x)
+
+
+@kernel("gelu_keep")
+def gelu_keep(node, x):
+    s = _gelu_sigmoid(x)
+    return np.stack([x * s, s])
+
+
+@kernel("gelu_backward_sigmoid")
+def gelu_backward_sigmoid(node, x, g, s):
+    return g * ((_s(1.0, x) - s) * s * x * (x * x * _s(GELU_DA, x) + _s(GELU_DB, x)) + s)
 
 
 class ReferenceProgram(Program):

@@ -24,7 +24,7 @@ def apply_view(node: Tensor, arr: np.ndarray) -> np.ndarray:
     if op == "broadcast_to":
         return np.broadcast_to(arr, node.shape)
     if op == "slice":
-        return arr[node.attrs["index"]]
+        return arr[tuple(node.attrs["index"]) + (Ellipsis,)]   # (Ellipsis: a 0-d result stays a view)
     raise NotImplementedError(f"{op} is registered as a view op but graphlm/layout.py cannot apply it")
 
 

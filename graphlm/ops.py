@@ -1290,9 +1290,12 @@ def cache_write(cache, value, pos, axis: int) -> Tensor:
 # their own, they are differentiated through it. A node a pass made carries the pass's name in
 # attrs["made_by"] (`op_attrs` leaves it out).
 
+PASS_ATTRS = ("made_by", "kept")   # added by passes: the pass's name; True on a kept value
+
+
 def op_attrs(node: Tensor) -> dict:
-    """A node's op attributes without the provenance a pass adds ("made_by")."""
-    return {k: v for k, v in node.attrs.items() if k != "made_by"}
+    """A node's op attributes without what a pass adds to them (PASS_ATTRS)."""
+    return {k: v for k, v in node.attrs.items() if k not in PASS_ATTRS}
 
 
 # --- matmul_sum: sum(matmul(a, b), batch axes) as one product over the folded axes ---------------
@@ -1436,3 +1439,31 @@ register("dropout_apply", _infer_dropout_apply, decompose=_dropout_apply_decompo
          vjp=lambda y, g: [apply("dropout_apply", (g, y.inputs[1]), p=y.attrs["p"]), None],
          doc="(x * keep) * (1/(1-p)): dropout with its mask as an input",
          vjp_doc="dropout_apply(g, keep) (the same mask)")
+
+
+# --- gelu_keep / gelu_backward_sigmoid: the tanh GELU keeps its sigmoid for its backward --------
+def _infer_gelu_keep(inputs, attrs):
+    (x,) = inputs
+    _require_float(x)
+    return (2,) + x.shape, x.dtype
+
+
+def _gelu_keep_decompose(x):
+    both = [reshape(t, (1,) + x.shape) for t in (_gelu_decompose(x, "tanh"), _gelu_sigmoid(x))]
+    return concat(both, 0)
+
+
+def _infer_gelu_backward_sigmoid(inputs, attrs):
+    x, g, s = inputs
+    if not x.shape == g.shape == s.shape:
+        raise ShapeError(f"shapes differ: {fmt_shape(x.shape)}, {fmt_shape(g.shape)} and {fmt_shape(s.shape)}")
+    return x.shape, _same_dtype(inputs)
+
+
+register("gelu_keep", _infer_gelu_keep, decompose=_gelu_keep_decompose,
+         doc="[gelu(x), s] stacked: the tanh GELU and the sigmoid s = sigmoid(2u) its backward "
+             "reads (a kept value; out[0] and out[1] are views)",
+         vjp_doc="through its decomposition")
+register("gelu_backward_sigmoid", _infer_gelu_backward_sigmoid,
+         decompose=lambda x, g, s: g * ((1.0 - s) * s * x * (x * x * GELU_DA + GELU_DB) + s),
+         doc="gelu_backward(x, g) of the tanh GELU from its kept sigmoid s", vjp_doc="through its decomposition")

@@ -10,6 +10,7 @@ from graphlm import executors, passes
 from graphlm.ir import GraphError
 from graphlm.passes.attention_softmax import ATTENTION_SOFTMAX
 from graphlm.passes.dropout_masks import DROPOUT_MASKS
+from graphlm.passes.kept_values import KEPT_VALUES
 from graphlm.passes.matmul_sum import MATMUL_SUM
 from graphlm.passes.slice_gradients import SLICE_GRADIENTS
 
@@ -131,6 +132,30 @@ def test_dropout_masks_are_one_tensor_per_stream_read_by_forward_and_backward():
         assert a.tobytes() == b.tobytes()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_a_tanh_gelu_keeps_its_sigmoid_as_a_tensor_float32_only(dtype):
+    g = gl.Graph("gelu")
+    x = g.input("x", (3, 7), dtype)
+    y = gl.gelu(gl.tanh(x))
+    (gx,) = gl.grad(gl.sum(y * y), [x])
+    feeds = {"x": (np.random.default_rng(5).standard_normal((3, 7)) * 3).astype(dtype)}
+    rw, got, want = both(g, [y, gx], KEPT_VALUES, feeds)
+    ops = ops_of(rw.graph)
+    if dtype == "float64":
+        assert "gelu_keep" not in ops and "gelu" in ops
+        return
+    assert "gelu" not in ops and "gelu_backward" not in ops
+    (keep,) = [n for n in rw.graph.nodes if n.op == "gelu_keep"]
+    (back,) = [n for n in rw.graph.nodes if n.op == "gelu_backward_sigmoid"]
+    s = back.inputs[2]
+    assert s.op == "slice" and s.inputs[0] is keep and s.attrs["kept"] and not s.is_backward
+    for a, b in zip(got, want):
+        assert a.tobytes() == b.tobytes()   # the same arithmetic in the same order
+    prog = executors.get("numpy").compile(g, [y, gx])
+    assert prog.kept_bytes() >= s.nbytes
+    assert prog.plan.entries[s.id].kind == "view"   # no copy: the second half of gelu_keep's buffer
+
+
 def test_the_numpy_pipeline_runs_on_reference_and_numpy_alike():
     """A GPT training step after the numpy executor's pipeline: the reference executor runs the
     rewritten graph, and the numpy executor's program compiled the same ops."""
@@ -184,7 +209,7 @@ def test_unknown_pipeline_is_named():
 
 def test_executors_declare_their_pipeline():
     assert executors.get("numpy").pipeline == "numpy" and executors.get("reference").pipeline == "none"
-    assert set(passes.PIPELINES["numpy"]) == {MATMUL_SUM, SLICE_GRADIENTS, ATTENTION_SOFTMAX, DROPOUT_MASKS}
+    assert passes.PIPELINES["numpy"] == (MATMUL_SUM, SLICE_GRADIENTS, ATTENTION_SOFTMAX, DROPOUT_MASKS, KEPT_VALUES)
 
 
 def test_render_draws_the_graph_after_a_pipeline(tmp_path, capsys):

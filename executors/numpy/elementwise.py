@@ -172,27 +172,24 @@ def _gelu_backward(node, out, ins, scratch):
     return run_erf
 
 
-@kernel("gelu_keep_sigmoid", scratch=lambda node, pos: [(node.shape, node.dtype, node.attrs["slot"].until)])
-def _gelu_keep_sigmoid(node, out, ins, scratch):
-    (x,) = ins
-    slot = node.attrs["slot"]
-    (slot.s,) = scratch   # planned in the arena, live until the last backward reads it
-    k = _GeluConstants(node.dtype)
+@kernel("gelu_keep")
+def _gelu_keep(node, out, ins, scratch):
+    (x,), k = ins, _GeluConstants(node.dtype)
+    y, s = out[0, ...], out[1, ...]   # the GELU and its kept sigmoid (views of the two halves)
 
-    def body(x, out, s):  # the gelu kernel's arithmetic, with the sigmoid kept in s
+    def body(x, y, s):  # the gelu kernel's arithmetic, with the sigmoid kept in s
         _gelu_sigmoid(x, s, k)
-        np.multiply(x, s, out)
-    return blocked(body, [x, out, slot.s])
+        np.multiply(x, s, y)
+    return blocked(body, [x, y, s])
 
 
 @kernel("gelu_backward_sigmoid", scratch=lambda node, pos: [(node.shape, node.dtype)])
 def _gelu_backward_sigmoid(node, out, ins, scratch):
-    x, g = ins
-    slot, k = node.attrs["slot"], _GeluConstants(node.dtype)
+    k = _GeluConstants(node.dtype)
 
     def body(x, g, s, out, b):  # the gelu_backward kernel's arithmetic, from the kept s
         _gelu_grad(x, g, s, out, b, k)
-    return blocked(body, [x, g, slot.s, out, *scratch])
+    return blocked(body, [*ins, out, *scratch])
 
 
 @kernel("causal_mask", inplace=(0,))

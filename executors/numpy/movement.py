@@ -44,7 +44,7 @@ def _concat(node, out, ins, scratch):
 @kernel("slice_backward")
 def _slice_backward(node, out, ins, scratch):
     (g,) = ins
-    window = out[node.attrs["index"]]
+    window = out[tuple(node.attrs["index"]) + (Ellipsis,)]   # (Ellipsis: a 0-d window stays a view)
 
     def run():
         out.fill(0)
@@ -55,7 +55,7 @@ def _slice_backward(node, out, ins, scratch):
 @kernel("slices_assemble")
 def _slices_assemble(node, out, ins, scratch):
     zero = scalar(0.0, node.dtype)
-    windows = [np.reshape(out[idx], src.shape, copy=False) for idx, src in zip(node.attrs["indexes"], ins)]
+    windows = [np.reshape(out[tuple(idx) + (Ellipsis,)], src.shape, copy=False) for idx, src in zip(node.attrs["indexes"], ins)]
     covered = node.attrs["covered"]
 
     def copy(pairs):

@@ -1,23 +1,14 @@
 """The numpy executor's own rewrites of the run list, after the graph passes (graphlm/passes) and
 before planning: a forward kernel keeps what its backward would recompute. Each replaces graph
 nodes by `FusedNode`s naming executor-private kernels (no result bit changes):
-`pair_gelu_backward` (the tanh GELU's sigmoid), `pair_layer_norm_backward` (xc and the row
-scale) and `pair_attention_backward` (the attention scores E and row sums l), kept in arena
-blocks that live until their last reader (kernel scratch specs ``(shape, dtype, until_node_id)``).
+`pair_layer_norm_backward` (xc and the row scale) and `pair_attention_backward` (the attention
+scores E and row sums l), kept in arena blocks that live until their last reader (kernel scratch
+specs ``(shape, dtype, until_node_id)``). (The GELU's kept sigmoid and dropout's keep mask are
+tensors of the graph instead: graphlm/passes/kept_values.py and dropout_masks.py.)
 """
 from __future__ import annotations
 
 import numpy as np
-
-
-
-class SavedSigmoid:
-    """The sigmoid s of one float32 tanh-GELU's input, written by the forward kernel and read
-    by the backward kernels of the same input (an arena block live until the last of them)."""
-
-    def __init__(self):
-        self.s: np.ndarray | None = None
-        self.until: int | None = None   # the last backward node reading s (ends its lifetime)
 
 
 def _pair_with_slots(nodes, pairs, slot_type, keep_op: str, kept_op: str):
@@ -38,23 +29,6 @@ def _pair_with_slots(nodes, pairs, slot_type, keep_op: str, kept_op: str):
             n = FusedNode(n, kept_op, n.inputs, {**n.attrs, "slot": slot_of[n.id]})
         out.append(n)
     return out
-
-
-def pair_gelu_backward(nodes):
-    """Let each float32 tanh-GELU whose input also feeds a ``gelu_backward`` keep its sigmoid for
-    that backward: ``gelu`` -> ``gelu_keep_sigmoid``, ``gelu_backward`` -> ``gelu_backward_sigmoid``
-    (no exp recomputed: 9 passes instead of 16, bit-identical). Returns the new node list."""
-    forward = {}
-    for k, n in enumerate(nodes):
-        if n.op == "gelu" and n.attrs["approximate"] == "tanh" and n.dtype == np.float32:
-            forward.setdefault(n.inputs[0].id, (k, n))
-    pairs = {}
-    for k, n in enumerate(nodes):
-        if n.op == "gelu_backward" and n.attrs["approximate"] == "tanh" and n.inputs[0].id in forward:
-            fk, f = forward[n.inputs[0].id]
-            if fk < k and n.dtype == np.float32:
-                pairs.setdefault(f.id, []).append(n.id)
-    return _pair_with_slots(nodes, pairs, SavedSigmoid, "gelu_keep_sigmoid", "gelu_backward_sigmoid")
 
 
 class FusedNode:

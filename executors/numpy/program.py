@@ -23,14 +23,11 @@ from .. import reference
 from ..base import Program, normalize_outputs
 from ..planner import ALIGN, Plan, apply_view, make_plan
 from .attention import ROUNDS_OWN_WAY
-from .passes import pair_attention_backward, pair_gelu_backward, pair_layer_norm_backward
+from .passes import pair_attention_backward, pair_layer_norm_backward
 from .table import KERNELS, Kernel, inplace_positions, kernel_for, scratch_specs
 
 
 # == the program ===========================================================================================
-
-KEPT_VALUE_OPS = {"dropout_keep"}   # ops a graph pass adds only to keep a value for the backward
-
 
 class NumpyProgram(Program):
     """A graph compiled onto one planned arena; see the module docstring."""
@@ -46,7 +43,7 @@ class NumpyProgram(Program):
         self.rewritten = run_pipeline(self.pipeline, graph, normalize_outputs(graph, outputs))
         super().__init__(self.rewritten.graph, self.rewritten.outputs, set(self.kernels) | set(reference.KERNELS))
         self.source_graph = graph   # (the base class names the graph it was given: the rewritten one)
-        self.run_nodes = pair_layer_norm_backward(pair_gelu_backward(self.nodes))
+        self.run_nodes = pair_layer_norm_backward(self.nodes)
         self.run_nodes = pair_attention_backward(self.run_nodes)
         table = self.kernels
         self.plan: Plan = make_plan(self.run_nodes, self.outputs,
@@ -77,11 +74,11 @@ class NumpyProgram(Program):
 
     def kept_bytes(self) -> int:
         """Bytes kept from forward to backward beyond the graph's own activations: the kept-value
-        tensors of the graph passes (dropout keep masks) and what fused kernels keep (GELU's
-        sigmoid, layer-norm statistics, attention scores). They are arena blocks like any other,
+        tensors of the graph passes (attrs["kept"]: dropout keep masks, GELU's sigmoid) and what
+        fused kernels keep (layer-norm statistics, attention scores). They are arena blocks like any other,
         live until their last reader, so they are already inside `plan.arena_bytes`; this says how
         much of the arena they take at most."""
-        tensors = sum(n.nbytes for n in self.run_nodes if n.op in KEPT_VALUE_OPS)
+        tensors = sum(n.nbytes for n in self.run_nodes if n.attrs.get("kept"))
         return tensors + sum(int(np.prod(sc.shape, dtype=np.int64)) * sc.dtype.itemsize
                              for lst in self.plan.scratch.values() for sc in lst if sc.kept)
 

@@ -13,8 +13,8 @@ def _share(node, ctx):
     which = ("keep", key.id, a["stream"], a["p"], node.shape)
     keep = ctx.memo.get(which)
     if keep is None:
-        keep = ctx.memo[which] = ctx.emit("dropout_keep", (ctx.new(key),), p=a["p"], stream=a["stream"],
-                                          shape=node.shape)
+        keep = ctx.memo[which] = ctx.emit("dropout_keep", (ctx.new(key),), kept=True, p=a["p"],
+                                          stream=a["stream"], shape=node.shape)
     return ctx.emit("dropout_apply", (ctx.new(x), keep), p=a["p"])
 
 

@@ -8,13 +8,14 @@ from graphlm.ir import Graph, Tensor
 
 from .attention_softmax import ATTENTION_SOFTMAX
 from .dropout_masks import DROPOUT_MASKS
+from .kept_values import KEPT_VALUES
 from .matmul_sum import MATMUL_SUM
 from .rewrite import Pass, Rewritten, compose, needed, rewrite
 from .slice_gradients import SLICE_GRADIENTS
 
 PIPELINES: dict[str, tuple[Pass, ...]] = {
     "none": (),
-    "numpy": (MATMUL_SUM, SLICE_GRADIENTS, ATTENTION_SOFTMAX, DROPOUT_MASKS),
+    "numpy": (MATMUL_SUM, SLICE_GRADIENTS, ATTENTION_SOFTMAX, DROPOUT_MASKS, KEPT_VALUES),
 }
 
 

@@ -51,10 +51,13 @@ class Rewritten:
 class Context:
     """What a rule sees while the driver rewrites one node."""
 
-    def __init__(self, graph: Graph, nodes: Sequence[Tensor], uses: dict[int, int], output_ids: set[int],
-                 pass_name: str):
-        self.graph, self._uses, self._outputs, self.pass_name = graph, uses, output_ids, pass_name
+    def __init__(self, graph: Graph, nodes: Sequence[Tensor], output_ids: set[int], pass_name: str):
+        self.graph, self._outputs, self.pass_name = graph, output_ids, pass_name
         self._nodes, self._layouts = nodes, None
+        self._readers: dict[int, list[Tensor]] = {}
+        for n in nodes:
+            for i in n.inputs:
+                self._readers.setdefault(i.id, []).append(n)
         self._new: dict[int, Tensor] = {}
         self.absorbed: dict[int, int] = {}   # source id -> the source id whose replacement took it
         self.memo: dict = {}                 # per pass: what a rule shares between nodes
@@ -62,7 +65,11 @@ class Context:
 
     def uses(self, node: Tensor) -> int:
         """How many nodes read `node` in the source graph (an output counts as one more)."""
-        return self._uses.get(node.id, 0) + (node.id in self._outputs)
+        return len(self._readers.get(node.id, ())) + (node.id in self._outputs)
+
+    def readers(self, node: Tensor) -> list[Tensor]:
+        """The source nodes that read `node`, in order (once per input position)."""
+        return list(self._readers.get(node.id, ()))
 
     def private(self, node: Tensor) -> bool:
         """Whether only one node reads `node` and it is not an output (a rule may absorb it)."""
@@ -84,11 +91,13 @@ class Context:
         for n in nodes:
             self.absorbed[n.id] = self.node.id
 
-    def emit(self, op: str, inputs: Sequence[Tensor], **attrs) -> Tensor:
+    def emit(self, op: str, inputs: Sequence[Tensor], kept: bool = False, **attrs) -> Tensor:
         """A node of `op` in the new graph (scope and backward flag of the node being rewritten),
-        marked as made by this pass."""
+        marked as made by this pass; `kept`: a value a forward keeps for its backward (marked
+        attrs["kept"], so plans and pictures can count it)."""
         shape, dtype = REGISTRY[op].infer(list(inputs), attrs)
-        return self.graph._add(op, tuple(inputs), {**attrs, "made_by": self.pass_name}, shape, dtype)
+        marks = {"made_by": self.pass_name, **({"kept": True} if kept else {})}
+        return self.graph._add(op, tuple(inputs), {**attrs, **marks}, shape, dtype)
 
 
 def needed(outputs: Sequence[Tensor]) -> list[Tensor]:
@@ -117,12 +126,8 @@ def rewrite(graph: Graph, outputs: Sequence[Tensor], pass_: Pass) -> Rewritten:
         if not isinstance(o, Tensor) or o.graph is not graph:
             raise GraphError(f"pass {pass_.name}: output {o!r} is not a tensor of graph '{graph.name}'")
     nodes = needed(outputs)
-    uses: dict[int, int] = {}
-    for n in nodes:
-        for i in n.inputs:
-            uses[i.id] = uses.get(i.id, 0) + 1
     new_graph = Graph(graph.name)
-    ctx = Context(new_graph, nodes, uses, {o.id for o in outputs}, pass_.name)
+    ctx = Context(new_graph, nodes, {o.id for o in outputs}, pass_.name)
     by_op: dict[str, list[Rule]] = {}
     for rule in pass_.rules:
         for op in rule.ops:
