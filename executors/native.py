@@ -58,6 +58,7 @@ from .numpy import KERNELS as NUMPY_KERNELS
 from .numpy import Kernel, NumpyProgram, get_threads
 from .numpy.attention import build_causal_attention, build_causal_attention_backward, softmax_block, softmax_ds_block
 from .numpy.dropout import keep_threshold
+from .numpy.norms import layer_norm_keep_views
 from .numpy.optimizer import adamw_schedule
 from .numpy.pool import parallel, threaded
 from .numpy.tiling import even_cuts, size_groups
@@ -80,6 +81,7 @@ _P, _I, _U64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64, ctype
 SIGNATURES = {   # C function -> argument types (every function returns void)
     "gl_exp": (_P, _P, _I),
     "gl_gelu_tanh": (_P, _P, _P, _I, _F, _F),
+    "gl_gelu_tanh_sigmoid": (_P, _P, _I, _F, _F),
     "gl_gelu_tanh_backward": (_P, _P, _P, _P, _I, _F, _F, _F, _F),
     "gl_layer_norm": (_P, _P, _P, _P, _P, _P, _P, _I, _I, _F),
     "gl_layer_norm_backward": (_P, _P, _P, _P, _P, _I, _I, _F),
@@ -359,13 +361,14 @@ def _gelu(node, out, ins, scratch):
     return _gelu_closure(node, x, out, None)
 
 
-@native_kernel("gelu_keep")
-def _gelu_keep(node, out, ins, scratch):
+@native_kernel("gelu_sigmoid")
+def _gelu_sigmoid(node, out, ins, scratch):
     (x,) = ins
-    y, s = out[0, ...], out[1, ...]
-    if node.dtype != np.float32 or not _native(x, y, s):
+    if node.dtype != np.float32 or not _native(x, out):
         return None
-    return _gelu_closure(node, x, y, s)
+    fn = library().gl_gelu_tanh_sigmoid
+    return _split_calls(lambda lo, hi: functools.partial(fn, _at(x, 1, lo), _at(out, 1, lo), hi - lo, GELU_A, GELU_B),
+                        out.size, 1, (x, out))
 
 
 def _gelu_backward_closure(x, g, s, out):
@@ -399,9 +402,10 @@ def _norm_ok(node, x, w, b, *arrays) -> bool:
             and all(p is None or p.shape == (cols,) for p in (w, b)) and _native(x, w, b, *arrays))
 
 
-def _layer_norm_closure(node, x, w, b, out, xc, sv, xhat):
+def _layer_norm_closure(node, x, w, b, out, xc, sv, xhat, eps=None):
+    """`node`: a tensor of the normalised shape (the layer norm, or layer_norm_keep's input)."""
     fn, cols = library().gl_layer_norm, node.shape[-1]
-    eps = float(np.float32(node.attrs["eps"]))
+    eps = float(np.float32(node.attrs["eps"] if eps is None else eps))
     return _split_calls(lambda lo, hi: functools.partial(
         fn, _at(x, cols, lo), _ptr(w), _ptr(b), _at(out, cols, lo), _at(xc, cols, lo), _at(sv, 1, lo),
         _at(xhat, cols, lo), hi - lo, cols, eps), node.size // cols, cols, (x, w, b, out, xc, sv, xhat))
@@ -418,13 +422,11 @@ def _layer_norm(node, out, ins, scratch):
 @native_kernel("layer_norm_keep")
 def _layer_norm_keep(node, out, ins, scratch):
     x, w, b, _ = norm_parts(ins, node.attrs)
-    sq, m, *kept = scratch
-    if not _norm_ok(node, x, w, b, out, *kept):
+    parts = layer_norm_keep_views(out, node)
+    y, xc, sv, xhat = parts["y"], parts["xc"], parts["sv"], parts.get("xhat")
+    if node.dtype != np.float32 or not _norm_ok(node.inputs[0], x, w, b, y, xc, sv, xhat):
         return None
-    slot = node.attrs["slot"]
-    slot.xc, slot.sv = kept[0], kept[1]
-    slot.xhat = kept[2] if node.attrs["keep_xhat"] else None
-    return _layer_norm_closure(node, x, w, b, out, slot.xc, slot.sv, slot.xhat)
+    return _layer_norm_closure(node.inputs[0], x, w, b, y, xc, sv, xhat, node.attrs["eps"])
 
 
 def _layer_norm_backward_closure(node, xc, sv, g, w, out):
@@ -437,11 +439,11 @@ def _layer_norm_backward_closure(node, xc, sv, g, w, out):
 
 @native_kernel("layer_norm_backward_kept")
 def _layer_norm_backward_kept(node, out, ins, scratch):
-    w, g = (ins[0] if node.attrs.get("has_weight") else None), ins[-1]
-    slot = node.attrs["slot"]
-    if not _norm_ok(node, g, w, None, out, slot.xc, slot.sv):
+    xc, sv, *rest = ins
+    w, g = (rest[0] if node.attrs.get("has_weight") else None), rest[-1]
+    if not _norm_ok(node, g, w, None, out, xc, sv):
         return None
-    return _layer_norm_backward_closure(node, slot.xc, slot.sv, g, w, out)
+    return _layer_norm_backward_closure(node, xc, sv, g, w, out)
 
 
 @native_kernel("layer_norm_backward")
@@ -575,7 +577,7 @@ def _adamw_update(node, out, ins, scratch):
 # == the program and executor =================================================================================
 
 # float32 kernels that round their own way (another exp, row sums in another order)
-NATIVE_ROUNDING = {"exp", "gelu", "gelu_keep", "gelu_backward", "gelu_backward_sigmoid",
+NATIVE_ROUNDING = {"exp", "gelu", "gelu_sigmoid", "gelu_backward", "gelu_backward_sigmoid",
                    "layer_norm", "layer_norm_keep", "layer_norm_backward", "layer_norm_backward_kept"}
 
 

@@ -365,15 +365,30 @@ def dropout_apply(node, x, keep):
     return x * keep.astype(x.dtype) * _s(1.0 / (1.0 - node.attrs["p"]), x)
 
 
-@kernel("gelu_keep")
-def gelu_keep(node, x):
-    s = _gelu_sigmoid(x)
-    return np.stack([x * s, s])
+kernel("gelu_sigmoid")(lambda node, x: _gelu_sigmoid(x))
 
 
 @kernel("gelu_backward_sigmoid")
 def gelu_backward_sigmoid(node, x, g, s):
     return g * ((_s(1.0, x) - s) * s * x * (x * x * _s(GELU_DA, x) + _s(GELU_DB, x)) + s)
+
+
+@kernel("layer_norm_keep")
+def layer_norm_keep(node, *arrays):
+    x = arrays[0]
+    xc = x - np.mean(x, axis=-1, keepdims=True)
+    sv = np.sqrt(np.mean(xc * xc, axis=-1, keepdims=True) + _s(node.attrs["eps"], x))
+    parts = [layer_norm(node, *arrays), xc, sv] + ([xc / sv] if node.attrs["keep_xhat"] else [])
+    return np.concatenate([p.reshape(-1) for p in parts])
+
+
+@kernel("layer_norm_backward_kept")
+def layer_norm_backward_kept(node, xc, sv, *rest):
+    w, g = (rest[0] if node.attrs["has_weight"] else None), rest[-1]
+    r = _s(1.0, xc) / sv
+    xhat = xc * r
+    gh = g * w if w is not None else g
+    return r * (gh - np.mean(gh, axis=-1, keepdims=True) - xhat * np.mean(gh * xhat, axis=-1, keepdims=True))
 
 
 class ReferenceProgram(Program):

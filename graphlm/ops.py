@@ -1441,16 +1441,11 @@ register("dropout_apply", _infer_dropout_apply, decompose=_dropout_apply_decompo
          vjp_doc="dropout_apply(g, keep) (the same mask)")
 
 
-# --- gelu_keep / gelu_backward_sigmoid: the tanh GELU keeps its sigmoid for its backward --------
-def _infer_gelu_keep(inputs, attrs):
+# --- gelu_sigmoid / gelu_backward_sigmoid: the tanh GELU keeps its sigmoid for its backward -----
+def _infer_gelu_sigmoid(inputs, attrs):
     (x,) = inputs
     _require_float(x)
-    return (2,) + x.shape, x.dtype
-
-
-def _gelu_keep_decompose(x):
-    both = [reshape(t, (1,) + x.shape) for t in (_gelu_decompose(x, "tanh"), _gelu_sigmoid(x))]
-    return concat(both, 0)
+    return x.shape, x.dtype
 
 
 def _infer_gelu_backward_sigmoid(inputs, attrs):
@@ -1460,10 +1455,63 @@ def _infer_gelu_backward_sigmoid(inputs, attrs):
     return x.shape, _same_dtype(inputs)
 
 
-register("gelu_keep", _infer_gelu_keep, decompose=_gelu_keep_decompose,
-         doc="[gelu(x), s] stacked: the tanh GELU and the sigmoid s = sigmoid(2u) its backward "
-             "reads (a kept value; out[0] and out[1] are views)",
+register("gelu_sigmoid", _infer_gelu_sigmoid, elementwise=True, decompose=_gelu_sigmoid,
+         doc="s = sigmoid(2u) of the tanh GELU (gelu(x) = x * s): the value its backward reads",
          vjp_doc="through its decomposition")
 register("gelu_backward_sigmoid", _infer_gelu_backward_sigmoid,
          decompose=lambda x, g, s: g * ((1.0 - s) * s * x * (x * x * GELU_DA + GELU_DB) + s),
          doc="gelu_backward(x, g) of the tanh GELU from its kept sigmoid s", vjp_doc="through its decomposition")
+
+
+# --- layer_norm_keep / layer_norm_backward_kept: a layer norm keeps xc and sqrt(var + eps) --------
+def layer_norm_keep_layout(shape, keep_xhat: bool) -> list[tuple[str, int, int, tuple[int, ...]]]:
+    """The parts of layer_norm_keep's flat output, in order: (name, start, stop, shape) of y,
+    xc = x - mean(x), sv = sqrt(mean(xc*xc) + eps) (one per row) and, with keep_xhat, xc / sv."""
+    shape = tuple(shape)
+    n = int(np.prod(shape, dtype=np.int64))
+    rows = shape[:-1] + (1,)
+    parts, at = [], 0
+    for name, size, sh in [("y", n, shape), ("xc", n, shape), ("sv", n // _pymax(shape[-1], 1), rows)] + \
+            ([("xhat", n, shape)] if keep_xhat else []):
+        parts.append((name, at, at + size, sh))
+        at += size
+    return parts
+
+
+def _infer_layer_norm_keep(inputs, attrs):
+    shape, dtype = _infer_norm(inputs, attrs)
+    return (layer_norm_keep_layout(shape, attrs["keep_xhat"])[-1][2],), dtype
+
+
+def _layer_norm_keep_decompose(*inputs, eps, has_weight, has_bias, keep_xhat):
+    x = inputs[0]
+    xc = x - mean(x, -1, keepdims=True)
+    sv = sqrt(mean(xc * xc, -1, keepdims=True) + eps)
+    parts = [_layer_norm_decompose(*inputs, eps=eps, has_weight=has_weight, has_bias=has_bias), xc, sv]
+    parts += [xc / sv] if keep_xhat else []
+    return concat([reshape(p, (-1,)) for p in parts], 0)
+
+
+def _infer_layer_norm_backward_kept(inputs, attrs):
+    xc, sv = inputs[:2]
+    shape, dtype = _infer_norm([xc, *inputs[2:]], attrs)
+    if sv.shape != shape[:-1] + (1,):
+        raise ShapeError(f"row scale {fmt_shape(sv.shape)} does not match {fmt_shape(shape)}")
+    return shape, dtype
+
+
+def _layer_norm_backward_kept_decompose(xc, sv, *rest, eps, has_weight):
+    w, g = (rest[0] if has_weight else None), rest[-1]
+    r = 1.0 / sv
+    xhat = xc * r
+    gh = g * w if w is not None else g
+    return r * (gh - mean(gh, -1, keepdims=True) - xhat * mean(gh * xhat, -1, keepdims=True))
+
+
+register("layer_norm_keep", _infer_layer_norm_keep, decompose=_layer_norm_keep_decompose,
+         doc="layer_norm(x, w, b) with what its backward reads, flat: [y, xc = x - mean, sv = "
+             "sqrt(var + eps) per row, and xc/sv with keep_xhat] (layer_norm_keep_layout; each part a view)",
+         vjp_doc="through its decomposition")
+register("layer_norm_backward_kept", _infer_layer_norm_backward_kept, decompose=_layer_norm_backward_kept_decompose,
+         doc="layer_norm_backward from the kept xc and sv: r*(gh - mean(gh) - xhat*mean(gh*xhat)), r = 1/sv, "
+             "xhat = xc*r, gh = g*w", vjp_doc="through its decomposition")

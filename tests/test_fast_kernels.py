@@ -73,7 +73,7 @@ def test_gelu_backward_reuses_the_forward_sigmoid_float32_only(dtype):
     gx, gw = gl.grad(loss, [x, w])
     prog = NUMPY.compile(g, [y, gx, gw])
     ops = {n.op for n in prog.run_nodes}
-    assert ("gelu_keep" in ops and "gelu_backward_sigmoid" in ops) == (dtype == "float32")
+    assert ("gelu_sigmoid" in ops and "gelu_backward_sigmoid" in ops) == (dtype == "float32")
     rng = np.random.default_rng(1)
     xv = (rng.standard_normal((6, 50)) * 3).astype(dtype)
     state = {"w": rng.standard_normal((50, 50)).astype(dtype) * 0.3}
@@ -116,8 +116,8 @@ def test_blocked_kernels_match_reference_bit_for_bit(monkeypatch, block, dtype, 
     feeds = {"x": rng.standard_normal((3, 37, 64)).astype(dtype), "key": np.asarray(9, np.int64)}
     state = {"w": rng.standard_normal(64).astype(dtype), "b": rng.standard_normal(64).astype(dtype)}
     ops = {n.op for n in NUMPY.compile(g, [loss, m, *grads, strided]).run_nodes}
-    gelu = {"gelu", "gelu_backward"} if dtype == "float64" else {"gelu_keep", "gelu_backward_sigmoid"}
-    assert {"layer_norm_keep", "layer_norm_kept", "layer_norm_backward_kept", "dropout_apply",
+    gelu = {"gelu", "gelu_backward"} if dtype == "float64" else {"gelu_sigmoid", "gelu_backward_sigmoid"}
+    assert {"layer_norm_keep", "layer_norm_backward_kept", "dropout_apply",
             "dropout_keep"} | gelu <= ops
     got, want = run_both(g, [loss, m, *grads, strided], feeds, state)
     for a_, b_ in zip(got[:-1], want[:-1]):

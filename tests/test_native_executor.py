@@ -119,7 +119,7 @@ def test_gelu_and_exp_forward_and_backward(small_pieces, shape, threads):
     feeds = {"x": (rng.standard_normal(shape) * 4).astype(np.float32)}
     _threads(threads)
     prog, got, _, want = run_all(g, outputs, feeds)
-    assert {"gelu_keep", "gelu_backward_sigmoid", "exp"} <= prog.native_ops()
+    assert {"gelu_sigmoid", "gelu_backward_sigmoid", "exp"} <= prog.native_ops()
     assert not prog.rounds_like_reference
     close32(got, want, "gelu")
 
@@ -262,7 +262,7 @@ def test_gpt_training_step_matches_reference():
     params = {k: v.astype(np.float32) for k, v in params.items()}
     prog, got, _, want = run_all(g, outputs, feeds, params)
     assert not prog.rounds_like_reference
-    assert {"causal_attention_keep", "causal_attention_backward_kept", "gelu_keep",
+    assert {"causal_attention_keep", "causal_attention_backward_kept", "gelu_sigmoid",
             "gelu_backward_sigmoid", "layer_norm_keep", "layer_norm_backward_kept"} <= prog.native_ops()
     close32(got, want, "gpt step", rtol=1e-4, atol=1e-5)
     again = prog.run(feeds, params)

@@ -142,18 +142,43 @@ def test_a_tanh_gelu_keeps_its_sigmoid_as_a_tensor_float32_only(dtype):
     rw, got, want = both(g, [y, gx], KEPT_VALUES, feeds)
     ops = ops_of(rw.graph)
     if dtype == "float64":
-        assert "gelu_keep" not in ops and "gelu" in ops
+        assert "gelu_sigmoid" not in ops and "gelu" in ops
         return
     assert "gelu" not in ops and "gelu_backward" not in ops
-    (keep,) = [n for n in rw.graph.nodes if n.op == "gelu_keep"]
     (back,) = [n for n in rw.graph.nodes if n.op == "gelu_backward_sigmoid"]
     s = back.inputs[2]
-    assert s.op == "slice" and s.inputs[0] is keep and s.attrs["kept"] and not s.is_backward
+    assert s.op == "gelu_sigmoid" and s.attrs["kept"] and not s.is_backward
+    assert any(n.op == "mul" and n.inputs[1] is s for n in rw.graph.nodes)   # gelu(x) = x * s
     for a, b in zip(got, want):
         assert a.tobytes() == b.tobytes()   # the same arithmetic in the same order
     prog = executors.get("numpy").compile(g, [y, gx])
     assert prog.kept_bytes() >= s.nbytes
-    assert prog.plan.entries[s.id].kind == "view"   # no copy: the second half of gelu_keep's buffer
+    assert prog.plan.entries[s.id].last > prog.plan.entries[s.id].first   # lives until the backward reads it
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_a_layer_norm_keeps_its_statistics_as_tensors(dtype):
+    g = gl.Graph("ln")
+    x = g.input("x", (4, 6), dtype)
+    w, b = g.param("w", (6,), dtype), g.param("b", (6,), dtype)
+    y = gl.layer_norm(gl.tanh(x), w, b)
+    loss = gl.sum(y * y)
+    gx, gw, gb = gl.grad(loss, [x, w, b])   # gw reads a plain layer_norm(x): the kept xhat
+    rng = np.random.default_rng(6)
+    feeds = {"x": rng.standard_normal((4, 6)).astype(dtype)}
+    state = {"w": rng.standard_normal(6).astype(dtype), "b": rng.standard_normal(6).astype(dtype)}
+    rw, got, want = both(g, [y, gx, gw, gb], KEPT_VALUES, feeds, state)
+    ops = ops_of(rw.graph)
+    assert ops.count("layer_norm_keep") == 1 and "layer_norm" not in ops and "layer_norm_backward" not in ops
+    (keep,) = [n for n in rw.graph.nodes if n.op == "layer_norm_keep"]
+    assert keep.attrs["keep_xhat"]
+    (back,) = [n for n in rw.graph.nodes if n.op == "layer_norm_backward_kept"]
+    xc, sv = back.inputs[:2]
+    assert xc.attrs["kept"] and sv.attrs["kept"] and sv.shape == (4, 1)
+    for a, b_ in zip(got, want):
+        assert a.tobytes() == b_.tobytes()
+    prog = executors.get("numpy").compile(g, [y, gx, gw, gb])
+    assert {prog.plan.entries[t.id].kind for t in (xc, sv)} == {"view"}   # parts of layer_norm_keep's buffer
 
 
 def test_the_numpy_pipeline_runs_on_reference_and_numpy_alike():

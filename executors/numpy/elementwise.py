@@ -172,15 +172,10 @@ def _gelu_backward(node, out, ins, scratch):
     return run_erf
 
 
-@kernel("gelu_keep")
-def _gelu_keep(node, out, ins, scratch):
+@kernel("gelu_sigmoid")
+def _gelu_sigmoid_kernel(node, out, ins, scratch):
     (x,), k = ins, _GeluConstants(node.dtype)
-    y, s = out[0, ...], out[1, ...]   # the GELU and its kept sigmoid (views of the two halves)
-
-    def body(x, y, s):  # the gelu kernel's arithmetic, with the sigmoid kept in s
-        _gelu_sigmoid(x, s, k)
-        np.multiply(x, s, y)
-    return blocked(body, [x, y, s])
+    return blocked(lambda x, s: _gelu_sigmoid(x, s, k), [x, out])   # the gelu kernel's sigmoid
 
 
 @kernel("gelu_backward_sigmoid", scratch=lambda node, pos: [(node.shape, node.dtype)])

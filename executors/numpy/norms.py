@@ -6,7 +6,7 @@ import functools
 
 import numpy as np
 
-from graphlm.ops import norm_parts
+from graphlm.ops import layer_norm_keep_layout, norm_parts
 
 from ..base import check_index_range
 from .table import kernel, scalar
@@ -165,26 +165,23 @@ def _layer_norm(node, out, ins, scratch):
     return rowwise(body, [x, out, sq, m, v], node.size // node.shape[-1])   # (cache blocks of rows measured no faster)
 
 
-def _layer_norm_keep_scratch(node, pos):
-    until = node.attrs["slot"].until
-    kept = [(node.shape, node.dtype, until), (row_shape(node), node.dtype, until)]
-    if node.attrs["keep_xhat"]:
-        kept.append((node.shape, node.dtype, until))
-    return [(node.shape, node.dtype), (row_shape(node), node.dtype)] + kept
+def layer_norm_keep_views(out, node) -> dict:
+    """The parts of a layer_norm_keep node's flat output (graphlm.ops.layer_norm_keep_layout) as
+    views: y, xc, sv (per row) and, with keep_xhat, xhat."""
+    x = node.inputs[0]
+    return {name: out[a:b].reshape(shape) for name, a, b, shape in
+            layer_norm_keep_layout(x.shape, node.attrs["keep_xhat"])}
 
 
-@kernel("layer_norm_keep", scratch=_layer_norm_keep_scratch)
+@kernel("layer_norm_keep", scratch=lambda node, pos: [(node.inputs[0].shape, node.dtype),
+                                                      (node.inputs[0].shape[:-1] + (1,), node.dtype)])
 def _layer_norm_keep(node, out, ins, scratch):
     x, w, b, _ = norm_parts(ins, node.attrs)
-    sq, m, *kept = scratch
-    a = node.attrs
-    slot = a["slot"]
-    eps = scalar(a["eps"], node.dtype)
-    # xc, sv (and xhat) are planned in the arena, live until the last node that reads them
-    slot.xc, slot.sv = kept[0], kept[1]
-    slot.xhat = kept[2] if a["keep_xhat"] else None
-    separate = slot.xhat is not None
-    xhat_or_out = slot.xhat if separate else out
+    sq, m = scratch
+    parts = layer_norm_keep_views(out, node)
+    y, xhat = parts["y"], parts.get("xhat")
+    eps = scalar(node.attrs["eps"], node.dtype)
+    separate = xhat is not None
 
     def body(x, out, sq, m, xc, v, xhat):  # the layer_norm kernel's arithmetic, keeping xc, sv and xhat
         mean_last(x, m)
@@ -202,28 +199,22 @@ def _layer_norm_keep(node, out, ins, scratch):
             np.add(y, b, out=out)
         elif w is None and separate:   # (views of one array are distinct objects: no `is` test)
             np.copyto(out, xhat)
-    return rowwise(body, [x, out, sq, m, slot.xc, slot.sv, xhat_or_out], node.size // node.shape[-1])
-
-
-@kernel("layer_norm_kept")
-def _layer_norm_kept(node, out, ins, scratch):
-    slot = node.attrs["slot"]
-    return functools.partial(np.copyto, out, slot.xhat)
+    return rowwise(body, [x, y, sq, m, parts["xc"], parts["sv"], xhat if separate else y], x.size // x.shape[-1])
 
 
 @kernel("layer_norm_backward_kept", inplace=lambda node: (len(node.inputs) - 1,),
         scratch=lambda node, pos: [(node.shape, node.dtype)] * 2 + [(row_shape(node), node.dtype)] * 3)
 def _layer_norm_backward_kept(node, out, ins, scratch):
-    w, g = (ins[0] if node.attrs.get("has_weight") else None), ins[-1]   # inputs: [w], [b], g
+    xc, sv, *rest = ins
+    w, g = (rest[0] if node.attrs.get("has_weight") else None), rest[-1]   # inputs: xc, sv, [w], g
     xhat, gh, r, m1, m2 = scratch
-    slot = node.attrs["slot"]
     one = scalar(1.0, node.dtype)
 
     def body(xc, sv, g, out, xhat, gh, r, m1, m2):  # layer_norm_backward's arithmetic from kept xc, sv
         np.divide(one, sv, out=r)
         np.multiply(xc, r, out=xhat)
         _layer_norm_backward_from_xhat(xhat, r, g, w, out, gh, m1, m2)
-    return rowwise(body, [slot.xc, slot.sv, g, out, xhat, gh, r, m1, m2], node.size // node.shape[-1])
+    return rowwise(body, [xc, sv, g, out, xhat, gh, r, m1, m2], node.size // node.shape[-1])
 
 
 def _last_and_first(node):

@@ -1,10 +1,10 @@
 """The numpy executor's own rewrites of the run list, after the graph passes (graphlm/passes) and
 before planning: a forward kernel keeps what its backward would recompute. Each replaces graph
 nodes by `FusedNode`s naming executor-private kernels (no result bit changes):
-`pair_layer_norm_backward` (xc and the row scale) and `pair_attention_backward` (the attention
-scores E and row sums l), kept in arena blocks that live until their last reader (kernel scratch
-specs ``(shape, dtype, until_node_id)``). (The GELU's kept sigmoid and dropout's keep mask are
-tensors of the graph instead: graphlm/passes/kept_values.py and dropout_masks.py.)
+`pair_attention_backward` (the attention scores E and row sums l), kept in arena blocks that
+live until their last reader (kernel scratch specs ``(shape, dtype, until_node_id)``). (The
+GELU's sigmoid, layer norm's statistics and dropout's keep mask are tensors of the graph
+instead: graphlm/passes/kept_values.py and dropout_masks.py.)
 """
 from __future__ import annotations
 
@@ -67,52 +67,5 @@ def pair_attention_backward(nodes):
                 pairs.setdefault(f.id, []).append(n.id)
     return _pair_with_slots(nodes, pairs, SavedScores, "causal_attention_keep",
                             "causal_attention_backward_kept")
-
-
-class SavedNorm:
-    """What a layer_norm's backward recomputes, kept by the forward kernel (arena blocks
-live until the last node that reads them):
-    xc = x - mean(x), sv = sqrt(mean(xc*xc) + eps) (rows) and, when a backward node recomputes
-    the normalised input for the weight gradient, xhat = xc / sv."""
-
-    def __init__(self):
-        self.xc = self.sv = self.xhat = None
-        self.until: int | None = None   # the last node reading the kept values
-
-
-def pair_layer_norm_backward(nodes):
-    """Let a layer_norm keep xc, sv (and xhat) for the nodes after it that recompute them from the
-    same input and eps: ``layer_norm_backward`` (-> ``layer_norm_backward_kept``: 4 of its 17
-    passes saved) and a plain ``layer_norm(x)`` with no weight or bias (-> ``layer_norm_kept``:
-    one copy instead of 7 passes). Those nodes no longer read x, so x's buffer dies earlier.
-    Bit-identical: the kept values are computed the same way."""
-    forward, users = {}, {}
-    position = {n.id: k for k, n in enumerate(nodes)}
-    for n in nodes:
-        if n.op == "layer_norm" and not n.is_backward:
-            forward.setdefault((n.inputs[0].id, n.attrs["eps"]), n)
-    for n in nodes:
-        key = (n.inputs[0].id, n.attrs.get("eps")) if n.inputs else None
-        f = forward.get(key)
-        if f is None or position[n.id] <= position[f.id]:
-            continue
-        if n.op == "layer_norm_backward" or (n.op == "layer_norm" and not n.attrs.get("has_weight")
-                                              and not n.attrs.get("has_bias")):
-            users.setdefault(f.id, []).append(n)
-    slots = {fid: (SavedNorm(), any(u.op == "layer_norm" for u in us)) for fid, us in users.items()}
-    for fid, us in users.items():
-        slots[fid][0].until = max((u.id for u in us), key=position.__getitem__)
-    user_slot = {u.id: slots[fid][0] for fid, us in users.items() for u in us}
-    out = []
-    for n in nodes:
-        if n.id in slots:
-            slot, keep_xhat = slots[n.id]
-            n = FusedNode(n, "layer_norm_keep", n.inputs, {**n.attrs, "slot": slot, "keep_xhat": keep_xhat})
-        elif n.id in user_slot:
-            op = "layer_norm_kept" if n.op == "layer_norm" else "layer_norm_backward_kept"
-            # x is no longer read: dropping it lets its buffer die at the forward
-            n = FusedNode(n, op, n.inputs[1:], {**n.attrs, "slot": user_slot[n.id]})
-        out.append(n)
-    return out
 
 
