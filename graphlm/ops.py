@@ -167,7 +167,7 @@ def _infer_div(inputs, attrs):
 
 register("div", _infer_div, vjp=lambda y, g: [unbroadcast(g / y.inputs[1], y.inputs[0].shape),
                                               unbroadcast(neg(g) * y / y.inputs[1], y.inputs[1].shape)],
-         elementwise=True, inplace=True, doc="a / b (broadcasting; floating point)", vjp_doc="g/b, -g*y/b")
+         elementwise=True, doc="a / b (broadcasting; floating point)", vjp_doc="g/b, -g*y/b")
 
 
 def _maximum_vjp(y, g):

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
+import numpy as np
+
 from .ir import Graph, ShapeError, Tensor, fmt_shape
 
 
@@ -45,6 +47,7 @@ def register(name: str, infer, **kwargs) -> OpDef:
     """Declare an op. Each op name may be registered once."""
     if name in REGISTRY:
         raise ValueError(f"op '{name}' is already registered")
+    kwargs.pop("inplace", None)   # (accepted for old callers: in-place capability is the kernel table's)
     op = OpDef(name=name, infer=infer, **kwargs)
     REGISTRY[name] = op
     return op

@@ -241,8 +241,9 @@ def test_render_draws_the_graph_after_a_pipeline(tmp_path, capsys):
     from graphlm.tools import cli
     config = '{"preset": "tinylm", "layer_count": 1, "context_length": 16, "dropout": 0.1}'
     before, after = tmp_path / "before.dot", tmp_path / "after.dot"
-    assert cli.main(["render", "--config", config, "--graph", "train", "--out", str(before)]) == 0
-    assert cli.main(["render", "--config", config, "--graph", "train", "--passes", "numpy", "--out", str(after)]) == 0
+    assert cli.main(["render", "--config", config, "--graph", "train", "--depth", "9", "--out", str(before)]) == 0
+    assert cli.main(["render", "--config", config, "--graph", "train", "--depth", "9", "--passes", "numpy",
+                     "--out", str(after)]) == 0
     capsys.readouterr()
     assert "dropout_keep" not in before.read_text() and "dropout_apply" not in before.read_text()
     assert "dropout_keep" in after.read_text() and "dropout_apply" in after.read_text()

@@ -1,6 +1,7 @@
 """The rewrite mechanism: rules as data, one driver.
 
-`rewrite(graph, outputs, pass_)` copies the nodes the outputs need into a new graph in order;
+`rewrite(graph, outputs, pass_)` copies the nodes the outputs need into a new graph in order
+(when no rule matches anywhere, the result is the source graph itself);
 for each node it tries the pass's rules for that node's op, and the first that returns a tensor
 replaces the node. Nodes a replacement made redundant (the intermediates it absorbed) are left
 dead and dropped at the end, so a rule only builds what it replaces. Rules see the source graph
@@ -132,6 +133,7 @@ def rewrite(graph: Graph, outputs: Sequence[Tensor], pass_: Pass) -> Rewritten:
     for rule in pass_.rules:
         for op in rule.ops:
             by_op.setdefault(op, []).append(rule)
+    changed = False
     for n in nodes:
         new_graph._scopes, new_graph._backward = [n.scope], n.is_backward
         made = None
@@ -139,12 +141,15 @@ def rewrite(graph: Graph, outputs: Sequence[Tensor], pass_: Pass) -> Rewritten:
         for rule in () if n.op in LEAF_OPS else by_op.get(n.op, ()):
             made = rule.apply(n, ctx)
             if made is not None:
+                changed = True
                 if made.shape != n.shape or made.dtype != n.dtype:
                     raise GraphError(f"pass {pass_.name}, rule {rule.name}: replaced {n.op} {n.label} "
                                      f"{n.shape} {n.dtype} by {made.op} {made.shape} {made.dtype}")
                 break
         ctx._new[n.id] = made if made is not None else _copy(new_graph, n, [ctx.new(i) for i in n.inputs])
     new_graph._scopes, new_graph._backward = [], False
+    if not changed:   # no rule matched: the source graph itself
+        return Rewritten(graph, outputs, {n.id: n for n in nodes}, (pass_.name,))
     new_outputs = [ctx.new(o) for o in outputs]
     new_graph.eliminate_dead_since(0, new_outputs)
     replaced = {}
