@@ -898,7 +898,11 @@ def _layer_norm_decompose(*inputs, eps, has_weight, has_bias):
 def _layer_norm_backward_decompose(*inputs, eps, has_weight, has_bias=False):
     x, w, _, (g,) = norm_parts(inputs, dict(has_weight=has_weight))
     xc = x - mean(x, -1, keepdims=True)
-    r = rsqrt(mean(square(xc), -1, keepdims=True) + eps)
+    return _layer_norm_backward_from(xc, rsqrt(mean(square(xc), -1, keepdims=True) + eps), g, w)
+
+
+def _layer_norm_backward_from(xc, r, g, w):
+    """dx of layer_norm from xc = x - mean(x) and r = 1/sqrt(var + eps)."""
     xhat = xc * r
     gh = g * w if w is not None else g
     return r * (gh - mean(gh, -1, keepdims=True) - xhat * mean(gh * xhat, -1, keepdims=True))
@@ -1502,10 +1506,7 @@ def _infer_layer_norm_backward_kept(inputs, attrs):
 
 def _layer_norm_backward_kept_decompose(xc, sv, *rest, eps, has_weight):
     w, g = (rest[0] if has_weight else None), rest[-1]
-    r = 1.0 / sv
-    xhat = xc * r
-    gh = g * w if w is not None else g
-    return r * (gh - mean(gh, -1, keepdims=True) - xhat * mean(gh * xhat, -1, keepdims=True))
+    return _layer_norm_backward_from(xc, 1.0 / sv, g, w)
 
 
 register("layer_norm_keep", _infer_layer_norm_keep, decompose=_layer_norm_keep_decompose,
