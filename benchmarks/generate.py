@@ -180,7 +180,7 @@ def main(argv=None) -> int:
     CLOCK = time.thread_time if args.clock == "cpu" else time.perf_counter
 
     import torch
-    from graphlm.executors import numpy_executor
+    from graphlm.executors import numpy as numpy_executor
     numpy_executor.set_threads(args.threads)
     torch.set_num_threads(args.threads)
 

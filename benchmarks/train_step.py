@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from graphlm import executors  # noqa: E402
-from graphlm.executors import numpy_executor  # noqa: E402
+from graphlm.executors import numpy as numpy_executor  # noqa: E402
 import graphlm as gl  # noqa: E402
 from graphlm.models import GPT, GPTConfig  # noqa: E402
 from graphlm.nn import DROPOUT_KEY  # noqa: E402

@@ -30,7 +30,7 @@ def _reference():
 
 
 def _numpy():
-    from .numpy_executor import NumpyExecutor
+    from .numpy import NumpyExecutor
     return NumpyExecutor()
 
 

@@ -54,8 +54,14 @@ from graphlm.io.runfolder import remove_dead_temporaries
 from graphlm.ops import GELU_A, GELU_B, GELU_DA, GELU_DB, norm_parts
 from graphlm.random import stream_base
 
-from . import numpy_executor as npx
-from .numpy_executor import FusedNode, Kernel, NumpyProgram, _cuts, _MaskSlot, _parallel, _threaded, _workers
+from .numpy import KERNELS as NUMPY_KERNELS
+from .numpy import Kernel, NumpyProgram, get_threads
+from .numpy.attention import build_causal_attention, build_causal_attention_backward, softmax_block, softmax_ds_block
+from .numpy.dropout import keep_threshold
+from .numpy.norms import layer_norm_keep_views
+from .numpy.optimizer import adamw_schedule
+from .numpy.pool import parallel, threaded
+from .numpy.tiling import even_cuts, size_groups
 
 SOURCE = Path(__file__).with_name("native_kernels.c")
 FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-std=c11",
@@ -75,6 +81,7 @@ _P, _I, _U64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64, ctype
 SIGNATURES = {   # C function -> argument types (every function returns void)
     "gl_exp": (_P, _P, _I),
     "gl_gelu_tanh": (_P, _P, _P, _I, _F, _F),
+    "gl_gelu_tanh_sigmoid": (_P, _P, _I, _F, _F),
     "gl_gelu_tanh_backward": (_P, _P, _P, _P, _I, _F, _F, _F, _F),
     "gl_layer_norm": (_P, _P, _P, _P, _P, _P, _P, _I, _I, _F),
     "gl_layer_norm_backward": (_P, _P, _P, _P, _P, _I, _I, _F),
@@ -296,8 +303,8 @@ def _split_calls(call, units: int, unit_size: int, arrays):
     def split(n):
         if units * unit_size < MIN_SPLIT * n:
             return []
-        return [call(lo, hi) for lo, hi in _cuts(units, n, max(1, 64 // max(1, unit_size)))]
-    run = _threaded(whole, split)
+        return [call(lo, hi) for lo, hi in even_cuts(units, n, max(1, 64 // max(1, unit_size)))]
+    run = threaded(whole, split)
     run.arrays = arrays
     return run
 
@@ -307,8 +314,7 @@ def _at(a, per: int, lo: int) -> int | None:
     return None if a is None else _ptr(a) + lo * per * a.itemsize
 
 
-KERNELS: dict[str, Kernel] = dict(npx.KERNELS)
-NUMPY_KERNELS = npx.KERNELS
+KERNELS: dict[str, Kernel] = dict(NUMPY_KERNELS)
 
 
 def native_kernel(*names):
@@ -355,14 +361,14 @@ def _gelu(node, out, ins, scratch):
     return _gelu_closure(node, x, out, None)
 
 
-@native_kernel("gelu_keep_sigmoid")
-def _gelu_keep_sigmoid(node, out, ins, scratch):
+@native_kernel("gelu_sigmoid")
+def _gelu_sigmoid(node, out, ins, scratch):
     (x,) = ins
-    (s,) = scratch
-    if not _native(x, out, s):
+    if node.dtype != np.float32 or not _native(x, out):
         return None
-    node.attrs["slot"].s = s
-    return _gelu_closure(node, x, out, s)
+    fn = library().gl_gelu_tanh_sigmoid
+    return _split_calls(lambda lo, hi: functools.partial(fn, _at(x, 1, lo), _at(out, 1, lo), hi - lo, GELU_A, GELU_B),
+                        out.size, 1, (x, out))
 
 
 def _gelu_backward_closure(x, g, s, out):
@@ -382,9 +388,8 @@ def _gelu_backward(node, out, ins, scratch):
 
 @native_kernel("gelu_backward_sigmoid")
 def _gelu_backward_sigmoid(node, out, ins, scratch):
-    x, g = ins
-    s = node.attrs["slot"].s
-    if not _native(x, g, s, out):
+    x, g, s = ins
+    if node.dtype != np.float32 or not _native(x, g, s, out):
         return None
     return _gelu_backward_closure(x, g, s, out)
 
@@ -397,9 +402,10 @@ def _norm_ok(node, x, w, b, *arrays) -> bool:
             and all(p is None or p.shape == (cols,) for p in (w, b)) and _native(x, w, b, *arrays))
 
 
-def _layer_norm_closure(node, x, w, b, out, xc, sv, xhat):
+def _layer_norm_closure(node, x, w, b, out, xc, sv, xhat, eps=None):
+    """`node`: a tensor of the normalised shape (the layer norm, or layer_norm_keep's input)."""
     fn, cols = library().gl_layer_norm, node.shape[-1]
-    eps = float(np.float32(node.attrs["eps"]))
+    eps = float(np.float32(node.attrs["eps"] if eps is None else eps))
     return _split_calls(lambda lo, hi: functools.partial(
         fn, _at(x, cols, lo), _ptr(w), _ptr(b), _at(out, cols, lo), _at(xc, cols, lo), _at(sv, 1, lo),
         _at(xhat, cols, lo), hi - lo, cols, eps), node.size // cols, cols, (x, w, b, out, xc, sv, xhat))
@@ -416,13 +422,11 @@ def _layer_norm(node, out, ins, scratch):
 @native_kernel("layer_norm_keep")
 def _layer_norm_keep(node, out, ins, scratch):
     x, w, b, _ = norm_parts(ins, node.attrs)
-    sq, m, *kept = scratch
-    if not _norm_ok(node, x, w, b, out, *kept):
+    parts = layer_norm_keep_views(out, node)
+    y, xc, sv, xhat = parts["y"], parts["xc"], parts["sv"], parts.get("xhat")
+    if node.dtype != np.float32 or not _norm_ok(node.inputs[0], x, w, b, y, xc, sv, xhat):
         return None
-    slot = node.attrs["slot"]
-    slot.xc, slot.sv = kept[0], kept[1]
-    slot.xhat = kept[2] if node.attrs["keep_xhat"] else None
-    return _layer_norm_closure(node, x, w, b, out, slot.xc, slot.sv, slot.xhat)
+    return _layer_norm_closure(node.inputs[0], x, w, b, y, xc, sv, xhat, node.attrs["eps"])
 
 
 def _layer_norm_backward_closure(node, xc, sv, g, w, out):
@@ -435,11 +439,11 @@ def _layer_norm_backward_closure(node, xc, sv, g, w, out):
 
 @native_kernel("layer_norm_backward_kept")
 def _layer_norm_backward_kept(node, out, ins, scratch):
-    w, g = (ins[0] if node.attrs.get("has_weight") else None), ins[-1]
-    slot = node.attrs["slot"]
-    if not _norm_ok(node, g, w, None, out, slot.xc, slot.sv):
+    xc, sv, *rest = ins
+    w, g = (rest[0] if node.attrs.get("has_weight") else None), rest[-1]
+    if not _norm_ok(node, g, w, None, out, xc, sv):
         return None
-    return _layer_norm_backward_closure(node, slot.xc, slot.sv, g, w, out)
+    return _layer_norm_backward_closure(node, xc, sv, g, w, out)
 
 
 @native_kernel("layer_norm_backward")
@@ -454,14 +458,14 @@ def _layer_norm_backward(node, out, ins, scratch):
 
 def _softmax_block(x, lb, r0, up):
     if not (x.flags.c_contiguous and x.ndim == 3 and lb.ndim == 3):
-        return npx.softmax_block(x, lb, r0, up)
+        return softmax_block(x, lb, r0, up)
     m, rows, cols = x.shape
     library().gl_causal_softmax_block(_ptr(x), _ptr(lb), m, rows, cols, r0, lb.strides[0] // lb.itemsize)
 
 
 def _ds_block(s, x, ddb):
     if not (s.flags.c_contiguous and x.flags.c_contiguous and s.ndim == 3 and ddb.ndim == 3):
-        return npx.softmax_ds_block(s, x, ddb)
+        return softmax_ds_block(s, x, ddb)
     m, rows, cols = s.shape
     library().gl_softmax_ds_block(_ptr(s), _ptr(x), _ptr(ddb), m, rows, cols, ddb.strides[0] // ddb.itemsize)
 
@@ -479,34 +483,26 @@ def _with_native_steps(numpy_build):
     return build
 
 
-native_kernel("causal_attention", "causal_attention_keep")(_with_native_steps(npx._causal_attention))
+native_kernel("causal_attention", "causal_attention_keep")(_with_native_steps(build_causal_attention))
 native_kernel("causal_attention_backward", "causal_attention_backward_kept")(
-    _with_native_steps(npx._causal_attention_backward))
+    _with_native_steps(build_causal_attention_backward))
 
 
 # == dropout ================================================================================================
 
-@native_kernel("dropout_shared")
-def _dropout_shared(node, out, ins, scratch):
-    x, key = ins
+def _draw_closure(node, key, mask, x, out):
+    """Draw the keep mask of `node` (dropout or dropout_keep) into `mask` in C and, when x is
+    given, out = (x * mask) * scale in the same pass; None where the arrays are not native."""
     a = node.attrs
-    slot = a["slot"]
-    if a["draw"]:
-        (slot.mask,) = scratch
-    mask = slot.mask
-    if (node.dtype != np.float32 or x.shape != out.shape or not _native(x, out)
-            or mask.dtype != np.bool_ or not mask.flags.c_contiguous):
+    if mask.dtype != np.bool_ or not mask.flags.c_contiguous or (x is not None and (
+            node.dtype != np.float32 or x.shape != out.shape or not _native(x, out))):
         return None
-    lib, scale = library(), float(np.float32(1.0 / (1.0 - a["p"])))
-    if not a["draw"]:
-        return _split_calls(lambda lo, hi: functools.partial(
-            lib.gl_dropout_apply, _at(x, 1, lo), _at(mask, 1, lo), _at(out, 1, lo), hi - lo, scale),
-            out.size, 1, (x, mask, out))
-    threshold = npx.keep_threshold(a["p"])
+    lib, threshold = library(), keep_threshold(a["p"])
+    scale = float(np.float32(1.0 / (1.0 - a["p"])))
     base = [0]   # this run's stream start, read by the pieces
     pointers = (_ptr(mask), _ptr(x), _ptr(out))
     draw = _split_calls(lambda lo, hi: lambda: lib.gl_dropout_draw(*pointers, lo, hi, base[0], threshold, scale),
-                        out.size, 1, (x, mask, out))
+                        mask.size, 1, (x, mask, out))
 
     def run():
         base[0] = stream_base(int(key), a["stream"])
@@ -514,10 +510,27 @@ def _dropout_shared(node, out, ins, scratch):
     return run
 
 
+@native_kernel("dropout_keep")
+def _dropout_keep(node, out, ins, scratch):
+    return _draw_closure(node, ins[0], out, None, None)
+
+
+@native_kernel("dropout_apply")
+def _dropout_apply(node, out, ins, scratch):
+    x, mask = ins
+    if (node.dtype != np.float32 or x.shape != out.shape or not _native(x, out)
+            or mask.dtype != np.bool_ or not mask.flags.c_contiguous):
+        return None
+    lib, scale = library(), float(np.float32(1.0 / (1.0 - node.attrs["p"])))
+    return _split_calls(lambda lo, hi: functools.partial(
+        lib.gl_dropout_apply, _at(x, 1, lo), _at(mask, 1, lo), _at(out, 1, lo), hi - lo, scale),
+        out.size, 1, (x, mask, out))
+
+
 @native_kernel("dropout")
 def _dropout(node, out, ins, scratch):
-    attrs = {**node.attrs, "slot": _MaskSlot(), "draw": True}
-    return _dropout_shared(FusedNode(node, "dropout_shared", node.inputs, attrs), out, ins, scratch)
+    x, key = ins
+    return _draw_closure(node, key, scratch[0], x, out)
 
 
 # == AdamW ===================================================================================================
@@ -545,17 +558,17 @@ def _adamw_update(node, out, ins, scratch):
     groups: dict[int, list] = {}
 
     def run():
-        lr, step_size, bc2_sqrt = npx.adamw_schedule(node, lr_a, step_a)
+        lr, step_size, bc2_sqrt = adamw_schedule(node, lr_a, step_a)
         coef, step_size, bc2_sqrt = f32(coef_a), f32(step_size), f32(bc2_sqrt)
         for wd in set(a["weight_decay"]):
             consts[wd] = (coef, f32(1.0 - lr * wd), step_size, bc2_sqrt)
-        n = _workers["threads"]
+        n = get_threads()
         if n == 1 or len(params) < 2:
             update(params)
         else:
             if n not in groups:
-                groups[n] = [params[lo:hi] for lo, hi in npx._size_groups([size for _, size, _ in params], n)]
-            _parallel([functools.partial(update, part) for part in groups[n]])
+                groups[n] = [params[lo:hi] for lo, hi in size_groups([size for _, size, _ in params], n)]
+            parallel([functools.partial(update, part) for part in groups[n]])
         out[...] = 0.0
     run.arrays = ins   # (the raw pointers above point into these)
     return run
@@ -564,7 +577,7 @@ def _adamw_update(node, out, ins, scratch):
 # == the program and executor =================================================================================
 
 # float32 kernels that round their own way (another exp, row sums in another order)
-NATIVE_ROUNDING = {"exp", "gelu", "gelu_keep_sigmoid", "gelu_backward", "gelu_backward_sigmoid",
+NATIVE_ROUNDING = {"exp", "gelu", "gelu_sigmoid", "gelu_backward", "gelu_backward_sigmoid",
                    "layer_norm", "layer_norm_keep", "layer_norm_backward", "layer_norm_backward_kept"}
 
 

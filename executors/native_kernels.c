@@ -111,6 +111,14 @@ void gl_gelu_tanh(const float *x, float *y, float *keep, int64_t n, float a, flo
     }
 }
 
+/* The tanh GELU's sigmoid alone: s = 1/(exp((x*x*a + b)*x) + 1), as gl_gelu_tanh keeps it. */
+void gl_gelu_tanh_sigmoid(const float *x, float *s, int64_t n, float a, float b) {
+    for (int64_t i = 0; i < n; i++) {
+        float xi = x[i];
+        s[i] = 1.0f / (exp_f32((xi * xi * a + b) * xi) + 1.0f);
+    }
+}
+
 /* tanh GELU's input gradient: out = g*(s + (1 - s)*s*x*(x*x*da + db)), from the forward's
  * kept s, or with s recomputed (constants a, b) when `kept` is NULL. */
 void gl_gelu_tanh_backward(const float *x, const float *g, const float *kept, float *out, int64_t n,

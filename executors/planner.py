@@ -25,29 +25,15 @@ from typing import Callable, Sequence
 import numpy as np
 
 from graphlm.ir import Tensor
+from graphlm.layout import apply_view, layouts
+from graphlm.layout import address as _address, stand_in as _proto
 from graphlm.registry import REGISTRY
 
 ALIGN = 64
-VIEW_OPS = ("reshape", "transpose", "broadcast_to", "slice")
 
 
 def aligned(nbytes: int) -> int:
     return -(-int(nbytes) // ALIGN) * ALIGN
-
-
-def apply_view(node: Tensor, arr: np.ndarray) -> np.ndarray:
-    """The view `node` takes of `arr` (its input's array). Raises ValueError when the op would
-    need a copy (a reshape of data whose strides do not allow it)."""
-    op = node.op
-    if op == "reshape":
-        return np.reshape(arr, node.shape, copy=False)
-    if op == "transpose":
-        return arr.transpose(node.attrs["axes"])
-    if op == "broadcast_to":
-        return np.broadcast_to(arr, node.shape)
-    if op == "slice":
-        return arr[node.attrs["index"]]
-    raise ValueError(f"{op} is not a view op")
 
 
 @dataclass
@@ -163,22 +149,6 @@ InplaceFn = Callable[[Tensor], Sequence[int]]
 ScratchFn = Callable[[Tensor, "int | None"], Sequence[tuple]]
 
 
-def _proto(shape, dtype, strides=None) -> np.ndarray:
-    """A zero-cost stand-in array with the given layout, to ask NumPy whether a view is possible."""
-    dtype = np.dtype(dtype)
-    if strides is None:  # C-contiguous
-        st, acc = [], dtype.itemsize
-        for d in reversed(shape):
-            st.append(acc)
-            acc *= max(int(d), 1)
-        strides = tuple(reversed(st))
-    return np.lib.stride_tricks.as_strided(np.zeros(1, dtype), shape, strides, writeable=False)
-
-
-def _address(arr: np.ndarray) -> int:
-    return arr.__array_interface__["data"][0]
-
-
 def _byte_span(arr: np.ndarray) -> tuple[int, int]:
     """(lowest byte, one past the highest byte) an array touches, relative to its data pointer."""
     if arr.size == 0:
@@ -190,36 +160,6 @@ def _byte_span(arr: np.ndarray) -> tuple[int, int]:
         else:
             lo += (d - 1) * s
     return lo, hi + arr.itemsize
-
-
-def layouts(nodes: Sequence[Tensor]):
-    """Decide which view nodes are views, by applying them to stand-in arrays of the right strides.
-
-    Returns (protos, root_of, view_offset, is_view): a stand-in array per node, the non-view node
-    whose memory each node lives in, the byte offset of a view's data from its root's start, and
-    the set of view node ids. Leaves and computed nodes are assumed C-contiguous.
-    """
-    protos: dict[int, np.ndarray] = {}
-    root_of: dict[int, int] = {}
-    view_offset: dict[int, int] = {}
-    is_view: set[int] = set()
-    for n in nodes:
-        if n.op in VIEW_OPS and REGISTRY[n.op].view:
-            src = n.inputs[0]
-            try:
-                p = apply_view(n, protos[src.id])
-            except ValueError:
-                p = None
-            if p is not None:
-                protos[n.id] = p
-                root_of[n.id] = root_of[src.id]
-                view_offset[n.id] = view_offset[src.id] + _address(p) - _address(protos[src.id])
-                is_view.add(n.id)
-                continue
-        protos[n.id] = _proto(n.shape, n.dtype)
-        root_of[n.id] = n.id
-        view_offset[n.id] = 0
-    return protos, root_of, view_offset, is_view
 
 
 def make_plan(nodes: Sequence[Tensor], outputs: Sequence[Tensor], inplace_positions: InplaceFn,

@@ -11,8 +11,8 @@ from typing import Callable
 import numpy as np
 from scipy import special
 
-from graphlm.ops import GELU_A, GELU_B, GELU_DA, GELU_DB, norm_parts
-from graphlm.random import dropout_keep_scale
+from graphlm.ops import GELU_A, GELU_B, GELU_DA, GELU_DB, matmul_sum_folding, norm_parts
+from graphlm.random import counter_uniform, dropout_keep_scale
 
 from .base import ExecutionError, Program, check_index_range, node_where
 
@@ -309,10 +309,93 @@ def cache_write(node, cache, value, pos):
 
 
 # -- the executor ---------------------------------------------------------------------------------------
+# -- ops the graph passes produce (graphlm/ops.py, "ops the graph passes produce") ----------------
+@kernel("matmul_sum")
+def matmul_sum(node, a, b):
+    pa, sa, pb, sb, shape = matmul_sum_folding(a, b, node.attrs["axes"])
+    return np.matmul(pa.reshape(sa), pb.reshape(sb)).reshape(node.shape)
+
+
+@kernel("slices_assemble")
+def slices_assemble(node, *srcs):
+    out = np.zeros(node.shape, node.dtype)
+    for src, index in zip(srcs, node.attrs["indexes"]):
+        window = out[tuple(index) + (Ellipsis,)]
+        window[...] = src.reshape(window.shape) + _s(0.0, src)   # as the sum of zero-padded slices
+    return out
+
+
+def _scaled_masked(node, x, c):
+    a = node.attrs
+    if c:
+        x = x * c[0] if a["scale_pos"] == 1 else c[0] * x
+    if a["mask"] is not None:
+        x = _masked(x, *a["mask"])
+    return x
+
+
+def _masked(x, fill, offset):
+    keep = np.tri(x.shape[-2], x.shape[-1], k=offset, dtype=bool)
+    return np.where(keep, x, _s(fill, x))
+
+
+@kernel("softmax_fused")
+def softmax_fused(node, x, *c):
+    return _softmax_rows(_scaled_masked(node, x, c))
+
+
+@kernel("softmax_backward_fused")
+def softmax_backward_fused(node, y, g, *c):
+    a = node.attrs
+    d = y * (g - np.sum(g * y, axis=a["axis"], keepdims=True))
+    if a["mask"] is not None:
+        d = _masked(d, *a["mask"])
+    if c:
+        d = d * c[0] if a["scale_pos"] == 1 else c[0] * d
+    return d
+
+
+@kernel("dropout_keep")
+def dropout_keep(node, key):
+    return counter_uniform(int(key), node.attrs["stream"], node.shape) >= np.float32(node.attrs["p"])
+
+
+@kernel("dropout_apply")
+def dropout_apply(node, x, keep):
+    return x * keep.astype(x.dtype) * _s(1.0 / (1.0 - node.attrs["p"]), x)
+
+
+kernel("gelu_sigmoid")(lambda node, x: _gelu_sigmoid(x))
+
+
+@kernel("gelu_backward_sigmoid")
+def gelu_backward_sigmoid(node, x, g, s):
+    return g * ((_s(1.0, x) - s) * s * x * (x * x * _s(GELU_DA, x) + _s(GELU_DB, x)) + s)
+
+
+@kernel("layer_norm_keep")
+def layer_norm_keep(node, *arrays):
+    x = arrays[0]
+    xc = x - np.mean(x, axis=-1, keepdims=True)
+    sv = np.sqrt(np.mean(xc * xc, axis=-1, keepdims=True) + _s(node.attrs["eps"], x))
+    parts = [layer_norm(node, *arrays), xc, sv] + ([xc / sv] if node.attrs["keep_xhat"] else [])
+    return np.concatenate([p.reshape(-1) for p in parts])
+
+
+@kernel("layer_norm_backward_kept")
+def layer_norm_backward_kept(node, xc, sv, *rest):
+    w, g = (rest[0] if node.attrs["has_weight"] else None), rest[-1]
+    r = _s(1.0, xc) / sv
+    xhat = xc * r
+    gh = g * w if w is not None else g
+    return r * (gh - np.mean(gh, axis=-1, keepdims=True) - xhat * np.mean(gh * xhat, axis=-1, keepdims=True))
+
+
 class ReferenceProgram(Program):
     executor_name = "reference"
     rounds_like_reference = True
     tolerances = {"float64": 0.0, "float32": 0.0}
+    pipeline = "none"   # no graph passes: it runs the graph it is given (a rewritten one too)
 
     def run(self, feeds=None, state=None) -> list[np.ndarray]:
         feeds = self.check_feeds(feeds)
@@ -339,6 +422,7 @@ class ReferenceProgram(Program):
 class ReferenceExecutor:
     name = "reference"
     kernels = KERNELS
+    pipeline = ReferenceProgram.pipeline
 
     def compile(self, graph, outputs) -> ReferenceProgram:
         return ReferenceProgram(graph, outputs, KERNELS)

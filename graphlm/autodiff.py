@@ -157,7 +157,7 @@ def _total(terms: list[Tensor]) -> Tensor:
 
 def _vjp_through_decomposition(node: Tensor, ct: Tensor) -> list[Tensor | None]:
     """The VJP of a fused op without its own rule: differentiate its decomposition."""
-    out = REGISTRY[node.op].decompose(*node.inputs, **node.attrs)
+    out = REGISTRY[node.op].decompose(*node.inputs, **ops.op_attrs(node))
     float_inputs = [i for i in node.inputs if i.dtype.kind == "f"]
     grads = dict(zip((i.id for i in float_inputs),
                      vjp([out], [ct], float_inputs, zeros_for_unreached=False, partial=True)))

@@ -194,6 +194,15 @@ class Graph:
     # -- node creation ---------------------------------------------------------------------------
     def _add(self, op: str, inputs: tuple[Tensor, ...], attrs: dict, shape, dtype,
              name: str | None = None) -> Tensor:
+        self.check_inputs(op, inputs)
+        node = Tensor(self, len(self.nodes), op, tuple(inputs), dict(attrs),
+                      tuple(int(d) for d in shape), np.dtype(dtype), name,
+                      self.current_scope, self._backward)
+        self.nodes.append(node)
+        return node
+
+    def check_inputs(self, op: str, inputs) -> None:
+        """Raise GraphError unless every input is a live tensor of this graph."""
         for t in inputs:
             if not isinstance(t, Tensor):
                 raise GraphError(f"{op}: input {t!r} is not a graphlm.Tensor")
@@ -204,11 +213,6 @@ class Graph:
                 raise GraphError(f"{op} in {self.current_scope or '<root>'}: input {t.label} "
                                  f"belongs to graph '{t.graph.name}', not '{self.name}'; "
                                  "tensors of two graphs cannot be mixed")
-        node = Tensor(self, len(self.nodes), op, tuple(inputs), dict(attrs),
-                      tuple(int(d) for d in shape), np.dtype(dtype), name,
-                      self.current_scope, self._backward)
-        self.nodes.append(node)
-        return node
 
     def _leaf(self, kind: str, table: dict, name: str, shape, dtype) -> Tensor:
         if not isinstance(name, str) or not name:

@@ -18,7 +18,6 @@ from .registry import apply, graph_of, register
 
 _pysum, _pymax, _pyslice = builtins.sum, builtins.max, builtins.slice
 
-FLOAT_KINDS = "f"
 
 
 # ================================================================================================
@@ -105,11 +104,6 @@ def _reduced_shape(shape, axes, keepdims):
     return tuple(d for i, d in enumerate(shape) if i not in axes)
 
 
-def _last_axis(axis, ndim):
-    (a,) = normalize_axes(axis, ndim)
-    return a
-
-
 # ================================================================================================
 # leaves (made by Graph.input/param/state/const, never by apply)
 # ================================================================================================
@@ -144,12 +138,12 @@ def _infer_compare(inputs, attrs):
 
 
 def _unary(name, vjp, doc, vjp_doc, decompose=None):
-    register(name, _infer_same, vjp=vjp, decompose=decompose, elementwise=True, inplace=True,
+    register(name, _infer_same, vjp=vjp, decompose=decompose, elementwise=True,
              doc=doc, vjp_doc=vjp_doc)
 
 
 def _binary(name, vjp, doc, vjp_doc):
-    register(name, _infer_binary, vjp=vjp, elementwise=True, inplace=True, doc=doc, vjp_doc=vjp_doc)
+    register(name, _infer_binary, vjp=vjp, elementwise=True, doc=doc, vjp_doc=vjp_doc)
 
 
 # --- add, sub, mul, div, maximum ------------------------------------------------------------------
@@ -173,7 +167,7 @@ def _infer_div(inputs, attrs):
 
 register("div", _infer_div, vjp=lambda y, g: [unbroadcast(g / y.inputs[1], y.inputs[0].shape),
                                               unbroadcast(neg(g) * y / y.inputs[1], y.inputs[1].shape)],
-         elementwise=True, inplace=True, doc="a / b (broadcasting; floating point)", vjp_doc="g/b, -g*y/b")
+         elementwise=True, doc="a / b (broadcasting; floating point)", vjp_doc="g/b, -g*y/b")
 
 
 def _maximum_vjp(y, g):
@@ -246,7 +240,7 @@ def _where_vjp(y, g):
     return [None, unbroadcast(where(c, g, zero), a.shape), unbroadcast(where(c, zero, g), b.shape)]
 
 
-register("where", _infer_where, vjp=_where_vjp, elementwise=True, inplace=True,
+register("where", _infer_where, vjp=_where_vjp, elementwise=True,
          doc="cond ? a : b (broadcasting)", vjp_doc="-, where(c, g, 0), where(c, 0, g)")
 
 
@@ -345,7 +339,7 @@ def _infer_pow(inputs, attrs):
     return _infer_same(inputs, attrs)
 
 
-register("pow", _infer_pow, elementwise=True, inplace=True,
+register("pow", _infer_pow, elementwise=True,
          vjp=lambda y, g: [g * (pow(y.inputs[0], y.attrs["exponent"] - 1.0) * y.attrs["exponent"])],
          doc="x ** p for a Python scalar p", vjp_doc="g*p*x^(p-1)")
 
@@ -421,10 +415,10 @@ def _gelu_backward_decompose(x, g, approximate):
     return g * d
 
 
-register("gelu", _infer_gelu, elementwise=True, inplace=True, decompose=_gelu_decompose,
+register("gelu", _infer_gelu, elementwise=True, decompose=_gelu_decompose,
          vjp=lambda y, g: [apply("gelu_backward", (y.inputs[0], g), **y.attrs)],
          doc="GELU; approximate='tanh' (GPT-2) or 'none' (erf)", vjp_doc="gelu_backward(x, g)")
-register("gelu_backward", _infer_gelu, elementwise=True, inplace=True,
+register("gelu_backward", _infer_gelu, elementwise=True,
          decompose=_gelu_backward_decompose,
          doc="g * gelu'(x)", vjp_doc="through its decomposition")
 
@@ -827,16 +821,16 @@ def _log_softmax_decompose(x, axis):
     return s - log(sum(exp(s), axis, keepdims=True))
 
 
-register("softmax", _infer_axis_op, decompose=_softmax_decompose, inplace=True,
+register("softmax", _infer_axis_op, decompose=_softmax_decompose,
          vjp=lambda y, g: [apply("softmax_backward", (y, g), axis=y.attrs["axis"])],
          doc="exp(x)/sum(exp(x)) along an axis", vjp_doc="softmax_backward(y, g)")
-register("softmax_backward", _infer_axis_op, inplace=True,
+register("softmax_backward", _infer_axis_op,
          decompose=lambda y, g, axis: y * (g - sum(g * y, axis, keepdims=True)),
          doc="y*(g - sum(g*y))", vjp_doc="through its decomposition")
-register("log_softmax", _infer_axis_op, decompose=_log_softmax_decompose, inplace=True,
+register("log_softmax", _infer_axis_op, decompose=_log_softmax_decompose,
          vjp=lambda y, g: [apply("log_softmax_backward", (y, g), axis=y.attrs["axis"])],
          doc="x - logsumexp(x) along an axis", vjp_doc="log_softmax_backward(y, g)")
-register("log_softmax_backward", _infer_axis_op, inplace=True,
+register("log_softmax_backward", _infer_axis_op,
          decompose=lambda y, g, axis: g - exp(y) * sum(g, axis, keepdims=True),
          doc="g - exp(y)*sum(g)", vjp_doc="through its decomposition")
 
@@ -893,7 +887,7 @@ def _lead_axes(x):
 def _layer_norm_decompose(*inputs, eps, has_weight, has_bias):
     x, w, b, _ = norm_parts(inputs, dict(has_weight=has_weight, has_bias=has_bias))
     xc = x - mean(x, -1, keepdims=True)
-    y = xc * rsqrt(mean(square(xc), -1, keepdims=True) + eps)
+    y = xc / sqrt(mean(xc * xc, -1, keepdims=True) + eps)   # the order every executor follows
     if w is not None:
         y = y * w
     if b is not None:
@@ -904,7 +898,11 @@ def _layer_norm_decompose(*inputs, eps, has_weight, has_bias):
 def _layer_norm_backward_decompose(*inputs, eps, has_weight, has_bias=False):
     x, w, _, (g,) = norm_parts(inputs, dict(has_weight=has_weight))
     xc = x - mean(x, -1, keepdims=True)
-    r = rsqrt(mean(square(xc), -1, keepdims=True) + eps)
+    return _layer_norm_backward_from(xc, rsqrt(mean(square(xc), -1, keepdims=True) + eps), g, w)
+
+
+def _layer_norm_backward_from(xc, r, g, w):
+    """dx of layer_norm from xc = x - mean(x) and r = 1/sqrt(var + eps)."""
     xhat = xc * r
     gh = g * w if w is not None else g
     return r * (gh - mean(gh, -1, keepdims=True) - xhat * mean(gh * xhat, -1, keepdims=True))
@@ -924,10 +922,10 @@ def _layer_norm_vjp(y, g):
     return grads
 
 
-register("layer_norm", _infer_norm, decompose=_layer_norm_decompose, vjp=_layer_norm_vjp, inplace=True,
+register("layer_norm", _infer_norm, decompose=_layer_norm_decompose, vjp=_layer_norm_vjp,
          doc="(x-mean)/sqrt(var+eps)*w+b over the last axis",
          vjp_doc="layer_norm_backward(x, w, g); sum(g*xhat); sum(g)")
-register("layer_norm_backward", _infer_norm, decompose=_layer_norm_backward_decompose, inplace=True,
+register("layer_norm_backward", _infer_norm, decompose=_layer_norm_backward_decompose,
          doc="dx of layer_norm", vjp_doc="through its decomposition")
 
 
@@ -961,10 +959,10 @@ def _rms_norm_vjp(y, g):
     return [dx, sum(g * rms_norm(x, eps=eps), _lead_axes(x))]
 
 
-register("rms_norm", _infer_norm, decompose=_rms_norm_decompose, vjp=_rms_norm_vjp, inplace=True,
+register("rms_norm", _infer_norm, decompose=_rms_norm_decompose, vjp=_rms_norm_vjp,
          doc="x/sqrt(mean(x^2)+eps)*w over the last axis",
          vjp_doc="rms_norm_backward(x, w, g); sum(g*x/rms)")
-register("rms_norm_backward", _infer_norm, decompose=_rms_norm_backward_decompose, inplace=True,
+register("rms_norm_backward", _infer_norm, decompose=_rms_norm_backward_decompose,
          doc="dx of rms_norm", vjp_doc="through its decomposition")
 
 
@@ -1024,7 +1022,7 @@ def _causal_mask_decompose(x, fill, offset):
     return where(x.graph.const(keep), x, lift(fill, x))
 
 
-register("causal_mask", _infer_causal_mask, decompose=_causal_mask_decompose, inplace=True,
+register("causal_mask", _infer_causal_mask, decompose=_causal_mask_decompose,
          elementwise=False,
          vjp=lambda y, g: [apply("causal_mask", (g,), fill=0.0, offset=y.attrs["offset"])],
          doc="fill entries above the diagonal (j > i + offset) of the last two axes",
@@ -1115,7 +1113,7 @@ def _infer_dropout_mask(inputs, attrs):
     return tuple(attrs["shape"]), np.dtype(attrs["dtype"])
 
 
-register("dropout", _infer_dropout, inplace=True, elementwise=False,
+register("dropout", _infer_dropout, elementwise=False,
          decompose=lambda x, key, p, stream: x * apply("dropout_mask", (key,), p=p, stream=stream,
                                                        shape=x.shape, dtype=x.dtype.str),
          vjp=lambda y, g: [apply("dropout", (g, y.inputs[1]), **y.attrs), None],
@@ -1285,3 +1283,236 @@ def cache_write(cache, value, pos, axis: int) -> Tensor:
     `axis`, in place. Runs after every other node of the program (an update op)."""
     axis = int(axis) % cache.ndim
     return apply("cache_write", (cache, value, pos), axis=axis, writes=(0,))
+
+
+# ================================================================================================
+# ops the graph passes produce (graphlm/passes): each is its decomposition computed in one node
+# ================================================================================================
+# Model code does not build these; a pass (graphlm/passes) rewrites a pattern of the ops above
+# into one of them. The reference executor runs them (so a rewritten graph runs everywhere),
+# their decomposition is the pattern they replace (tests check both agree) and, with no VJP of
+# their own, they are differentiated through it. A node a pass made carries the pass's name in
+# attrs["made_by"] (`op_attrs` leaves it out).
+
+PASS_ATTRS = ("made_by", "kept")   # added by passes: the pass's name; True on a kept value
+
+
+def op_attrs(node: Tensor) -> dict:
+    """A node's op attributes without what a pass adds to them (PASS_ATTRS)."""
+    return {k: v for k, v in node.attrs.items() if k not in PASS_ATTRS}
+
+
+# --- matmul_sum: sum(matmul(a, b), batch axes) as one product over the folded axes ---------------
+def _infer_matmul_sum(inputs, attrs):
+    shape, dtype = _infer_matmul(inputs, attrs)
+    if not attrs["axes"] or any(a >= len(shape) - 2 for a in attrs["axes"]):
+        raise ShapeError(f"matmul_sum sums batch axes only, got axes {attrs['axes']} of {fmt_shape(shape)}")
+    return _reduced_shape(shape, attrs["axes"], attrs["keepdims"]), dtype
+
+
+def matmul_sum_folding(a, b, axes):
+    """The arithmetic of matmul_sum on arrays (every executor follows it): a and b broadcast to
+    their common batch, transposed so that the summed batch axes sit beside the contraction axis;
+    then ``sum(a @ b, axes) = A' @ B'`` with A' = reshape(pa, (..., m, S*k)) and B' =
+    reshape(pb, (..., S*k, n)). Returns (pa, A' shape, pb, B' shape, the product's shape)."""
+    batch = tuple(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
+    nb = len(batch)
+    a = np.broadcast_to(a, batch + a.shape[-2:])
+    b = np.broadcast_to(b, batch + b.shape[-2:])
+    rest = [i for i in range(nb) if i not in axes]
+    summed = [i for i in range(nb) if i in axes]
+    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    s = int(np.prod([batch[i] for i in summed], dtype=np.int64))
+    rest_shape = tuple(batch[i] for i in rest)
+    return (a.transpose(rest + [nb] + summed + [nb + 1]), rest_shape + (m, s * k),
+            b.transpose(rest + summed + [nb, nb + 1]), rest_shape + (s * k, n), rest_shape + (m, n))
+
+
+register("matmul_sum", _infer_matmul_sum,
+         decompose=lambda a, b, axes, keepdims: sum(matmul(a, b), axes, keepdims),
+         doc="sum(a @ b) over batch axes, as one product with the summed axes folded into the "
+             "contraction (a weight gradient; rounds as that one product)",
+         vjp_doc="through its decomposition")
+
+
+# --- slices_assemble: disjoint slice gradients written into one array --------------------------
+def _window_shape(shape, index) -> tuple[int, ...]:
+    return tuple(len(range(*s.indices(d))) for s, d in zip(index, shape) if isinstance(s, _pyslice))
+
+
+def _infer_slices_assemble(inputs, attrs):
+    shape, indexes = tuple(attrs["shape"]), attrs["indexes"]
+    if len(indexes) != len(inputs) or not inputs:
+        raise ShapeError(f"slices_assemble needs one index per input, got {len(indexes)} for {len(inputs)}")
+    for t, index in zip(inputs, indexes):
+        if t.size != int(np.prod(_window_shape(shape, index), dtype=np.int64)):
+            raise ShapeError(f"input {fmt_shape(t.shape)} does not fill window {fmt_shape(_window_shape(shape, index))}")
+    return shape, _same_dtype(inputs)
+
+
+def _slices_assemble_decompose(*srcs, shape, indexes, covered):
+    terms = [apply("slice_backward", (reshape(s, _window_shape(shape, idx)),), in_shape=tuple(shape), index=idx)
+             for s, idx in zip(srcs, indexes)]
+    total = terms[0]
+    for t in terms[1:]:
+        total = total + t
+    return total
+
+
+register("slices_assemble", _infer_slices_assemble, decompose=_slices_assemble_decompose,
+         doc="zeros of `shape` with each input written into its own (disjoint) window: the "
+             "gradient of slices of one array (q, k, v of a fused QKV product)",
+         vjp_doc="through its decomposition")
+
+
+# --- softmax_fused / softmax_backward_fused: attention's scale and causal mask folded in --------
+def _scaled_masked(x, c, mask, scale_pos):
+    if c is not None:
+        x = mul(x, c) if scale_pos == 1 else mul(c, x)
+    if mask is not None:
+        x = causal_mask(x, fill=mask[0], offset=mask[1])
+    return x
+
+
+def _softmax_fused_decompose(x, *c, mask, scale_pos):
+    return softmax(_scaled_masked(x, c[0] if c else None, mask, scale_pos), -1)
+
+
+def _softmax_backward_fused_decompose(y, g, *c, axis, mask, scale_pos):
+    d = apply("softmax_backward", (y, g), axis=axis)
+    if mask is not None:
+        d = causal_mask(d, fill=mask[0], offset=mask[1])
+    if c:
+        d = mul(d, c[0]) if scale_pos == 1 else mul(c[0], d)
+    return d
+
+
+def _infer_softmax_fused(inputs, attrs):
+    x, scale = inputs[0], inputs[1:]
+    _require_float(x)
+    if x.ndim < 2:
+        raise ShapeError(f"needs at least 2-d scores, got {fmt_shape(x.shape)}")
+    if scale and (scale[0].shape != () or scale[0].dtype != x.dtype):
+        raise ShapeError(f"the scale must be a {x.dtype} scalar, got {fmt_shape(scale[0].shape)} {scale[0].dtype}")
+    return x.shape, x.dtype
+
+
+def _infer_softmax_backward_fused(inputs, attrs):
+    y, g = inputs[:2]
+    if y.shape != g.shape:
+        raise ShapeError(f"shapes differ: {fmt_shape(y.shape)} and {fmt_shape(g.shape)}")
+    return _infer_softmax_fused([y, *inputs[2:]], attrs)
+
+
+register("softmax_fused", _infer_softmax_fused, decompose=_softmax_fused_decompose,
+         doc="softmax over the last axis of causal_mask(x * c): attention's scale (optional "
+             "input c) and mask (attrs mask = (fill, offset) or None) folded in",
+         vjp_doc="through its decomposition")
+register("softmax_backward_fused", _infer_softmax_backward_fused, decompose=_softmax_backward_fused_decompose,
+         doc="causal_mask(softmax_backward(y, g), fill=0) * c: softmax_fused's gradient with "
+             "respect to x * c, masked and scaled",
+         vjp_doc="through its decomposition")
+
+
+# --- dropout_keep / dropout_apply: one dropout mask, a tensor shared by forward and backward ----
+def _infer_dropout_keep(inputs, attrs):
+    (key,) = inputs
+    _require_int(key, "dropout key")
+    if not 0.0 <= attrs["p"] < 1.0:
+        raise ShapeError(f"dropout probability must be in [0, 1), got {attrs['p']}")
+    return tuple(attrs["shape"]), np.dtype(np.bool_)
+
+
+def _infer_dropout_apply(inputs, attrs):
+    x, keep = inputs
+    _require_float(x)
+    if keep.dtype != np.bool_ or keep.shape != x.shape:
+        raise ShapeError(f"the keep mask must be bool {fmt_shape(x.shape)}, got {fmt_shape(keep.shape)} {keep.dtype}")
+    return x.shape, x.dtype
+
+
+def _dropout_apply_decompose(x, keep, p):
+    return mul(mul(x, cast(keep, x.dtype)), lift(1.0 / (1.0 - p), x))
+
+
+register("dropout_keep", _infer_dropout_keep, differentiable=False,
+         doc="the keep mask of dropout(p, key, stream): counter_uniform(key, stream, index) >= "
+             "float32(p), as bool",
+         vjp_doc="not differentiable")
+register("dropout_apply", _infer_dropout_apply, decompose=_dropout_apply_decompose,
+         vjp=lambda y, g: [apply("dropout_apply", (g, y.inputs[1]), p=y.attrs["p"]), None],
+         doc="(x * keep) * (1/(1-p)): dropout with its mask as an input",
+         vjp_doc="dropout_apply(g, keep) (the same mask)")
+
+
+# --- gelu_sigmoid / gelu_backward_sigmoid: the tanh GELU keeps its sigmoid for its backward -----
+def _infer_gelu_sigmoid(inputs, attrs):
+    (x,) = inputs
+    _require_float(x)
+    return x.shape, x.dtype
+
+
+def _infer_gelu_backward_sigmoid(inputs, attrs):
+    x, g, s = inputs
+    if not x.shape == g.shape == s.shape:
+        raise ShapeError(f"shapes differ: {fmt_shape(x.shape)}, {fmt_shape(g.shape)} and {fmt_shape(s.shape)}")
+    return x.shape, _same_dtype(inputs)
+
+
+register("gelu_sigmoid", _infer_gelu_sigmoid, elementwise=True, decompose=_gelu_sigmoid,
+         doc="s = sigmoid(2u) of the tanh GELU (gelu(x) = x * s): the value its backward reads",
+         vjp_doc="through its decomposition")
+register("gelu_backward_sigmoid", _infer_gelu_backward_sigmoid,
+         decompose=lambda x, g, s: g * ((1.0 - s) * s * x * (x * x * GELU_DA + GELU_DB) + s),
+         doc="gelu_backward(x, g) of the tanh GELU from its kept sigmoid s", vjp_doc="through its decomposition")
+
+
+# --- layer_norm_keep / layer_norm_backward_kept: a layer norm keeps xc and sqrt(var + eps) --------
+def layer_norm_keep_layout(shape, keep_xhat: bool) -> list[tuple[str, int, int, tuple[int, ...]]]:
+    """The parts of layer_norm_keep's flat output, in order: (name, start, stop, shape) of y,
+    xc = x - mean(x), sv = sqrt(mean(xc*xc) + eps) (one per row) and, with keep_xhat, xc / sv."""
+    shape = tuple(shape)
+    n = int(np.prod(shape, dtype=np.int64))
+    rows = shape[:-1] + (1,)
+    parts, at = [], 0
+    for name, size, sh in [("y", n, shape), ("xc", n, shape), ("sv", n // _pymax(shape[-1], 1), rows)] + \
+            ([("xhat", n, shape)] if keep_xhat else []):
+        parts.append((name, at, at + size, sh))
+        at += size
+    return parts
+
+
+def _infer_layer_norm_keep(inputs, attrs):
+    shape, dtype = _infer_norm(inputs, attrs)
+    return (layer_norm_keep_layout(shape, attrs["keep_xhat"])[-1][2],), dtype
+
+
+def _layer_norm_keep_decompose(*inputs, eps, has_weight, has_bias, keep_xhat):
+    x = inputs[0]
+    xc = x - mean(x, -1, keepdims=True)
+    sv = sqrt(mean(xc * xc, -1, keepdims=True) + eps)
+    parts = [_layer_norm_decompose(*inputs, eps=eps, has_weight=has_weight, has_bias=has_bias), xc, sv]
+    parts += [xc / sv] if keep_xhat else []
+    return concat([reshape(p, (-1,)) for p in parts], 0)
+
+
+def _infer_layer_norm_backward_kept(inputs, attrs):
+    xc, sv = inputs[:2]
+    shape, dtype = _infer_norm([xc, *inputs[2:]], attrs)
+    if sv.shape != shape[:-1] + (1,):
+        raise ShapeError(f"row scale {fmt_shape(sv.shape)} does not match {fmt_shape(shape)}")
+    return shape, dtype
+
+
+def _layer_norm_backward_kept_decompose(xc, sv, *rest, eps, has_weight):
+    w, g = (rest[0] if has_weight else None), rest[-1]
+    return _layer_norm_backward_from(xc, 1.0 / sv, g, w)
+
+
+register("layer_norm_keep", _infer_layer_norm_keep, decompose=_layer_norm_keep_decompose,
+         doc="layer_norm(x, w, b) with what its backward reads, flat: [y, xc = x - mean, sv = "
+             "sqrt(var + eps) per row, and xc/sv with keep_xhat] (layer_norm_keep_layout; each part a view)",
+         vjp_doc="through its decomposition")
+register("layer_norm_backward_kept", _infer_layer_norm_backward_kept, decompose=_layer_norm_backward_kept_decompose,
+         doc="layer_norm_backward from the kept xc and sv: r*(gh - mean(gh) - xhat*mean(gh*xhat)), r = 1/sv, "
+             "xhat = xc*r, gh = g*w", vjp_doc="through its decomposition")

@@ -33,7 +33,6 @@ class OpDef:
     vjp: Optional[Callable[[Tensor, Tensor], list]] = None
     decompose: Optional[Callable[..., Tensor]] = None
     elementwise: bool = False   # output[i] depends on inputs[i] only (after broadcasting)
-    inplace: bool = False       # a kernel may write its output over a dying same-size input
     view: bool = False          # output can alias its first input's memory (no copy)
     differentiable: bool = True
     updates_state: bool = False  # writes into a state/param input in place (optimizer steps)
@@ -48,6 +47,7 @@ def register(name: str, infer, **kwargs) -> OpDef:
     """Declare an op. Each op name may be registered once."""
     if name in REGISTRY:
         raise ValueError(f"op '{name}' is already registered")
+    kwargs.pop("inplace", None)   # (accepted for old callers: in-place capability is the kernel table's)
     op = OpDef(name=name, infer=infer, **kwargs)
     REGISTRY[name] = op
     return op
@@ -165,9 +165,7 @@ def apply(name: str, inputs: Sequence[Tensor], **attrs) -> Tensor:
                         "Tensor (write [x] for one input)")
     inputs = tuple(inputs)
     graph = graph_of(inputs)
-    for t in inputs:
-        if isinstance(t, Tensor) and t.graph is not graph:
-            graph._add(name, tuple(inputs), attrs, (), np.float32)  # raises the mixing error
+    graph.check_inputs(name, [t for t in inputs if isinstance(t, Tensor)])
     try:
         shape, dtype = op.infer(inputs, attrs)
     except ShapeError as e:

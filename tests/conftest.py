@@ -51,7 +51,7 @@ def run_graph():
 
 @pytest.fixture(autouse=True)
 def _one_executor_thread():
-    from graphlm.executors import numpy_executor
+    from graphlm.executors import numpy as numpy_executor
     if numpy_executor.get_threads() != 1:
         numpy_executor.set_threads(1)
     yield

@@ -7,7 +7,8 @@ import pytest
 
 from graphlm import executors
 import graphlm as gl
-from graphlm.executors import numpy_executor
+from graphlm.executors import numpy as numpy_executor
+from graphlm.executors.numpy import attention, dropout, matmul, optimizer, pool, tiling
 from graphlm.random import counter_uniform
 from graphlm.testing import assert_close
 
@@ -26,12 +27,12 @@ def run_both(g, outputs, feeds, state=None):
 @pytest.mark.parametrize("shape,p,key,stream", [
     ((8, 128, 192), 0.1, 12345, 3),                       # several chunks
     ((3, 5), 0.5, 2 ** 62 + 7, 0),                        # smaller than a chunk, big key
-    ((numpy_executor._MASK_CHUNK + 1,), 0.999, 1, 9),     # a one-element last chunk
+    ((dropout._MASK_CHUNK + 1,), 0.999, 1, 9),     # a one-element last chunk
     ((7,), 0.0, 5, 1),                                    # p = 0 keeps everything
 ])
 def test_keep_mask_drawer_is_counter_uniform_exactly(shape, p, key, stream):
     mask = np.empty(shape, bool)
-    numpy_executor.keep_mask_drawer(shape, stream, p)(key, mask)
+    dropout.keep_mask_drawer(shape, stream, p)(key, mask)
     np.testing.assert_array_equal(mask, counter_uniform(key, stream, shape) >= np.float32(p))
 
 
@@ -45,8 +46,10 @@ def test_dropout_forward_and_backward_share_one_mask_and_match_reference(dtype):
     loss = gl.sum(y * y)
     dx = gl.grad(loss, [x])[0]
     prog = NUMPY.compile(g, [y, dx])
-    shared = [n for n in prog.run_nodes if n.op == "dropout_shared"]
-    assert len(shared) == 4 and sum(n.attrs["draw"] for n in shared) == 2   # two streams, two draws
+    applied = [n for n in prog.run_nodes if n.op == "dropout_apply"]
+    masks = [n for n in prog.run_nodes if n.op == "dropout_keep"]
+    assert len(applied) == 4 and len(masks) == 2   # two streams, two draws, each mask read twice
+    assert sorted(n.inputs[1].id for n in applied) == sorted(2 * [m.id for m in masks])
     rng = np.random.default_rng(0)
     xv = rng.standard_normal((4, 33)).astype(dtype)
     xv[0, :3] = [np.inf, -np.inf, np.nan]
@@ -70,7 +73,7 @@ def test_gelu_backward_reuses_the_forward_sigmoid_float32_only(dtype):
     gx, gw = gl.grad(loss, [x, w])
     prog = NUMPY.compile(g, [y, gx, gw])
     ops = {n.op for n in prog.run_nodes}
-    assert ("gelu_keep_sigmoid" in ops and "gelu_backward_sigmoid" in ops) == (dtype == "float32")
+    assert ("gelu_sigmoid" in ops and "gelu_backward_sigmoid" in ops) == (dtype == "float32")
     rng = np.random.default_rng(1)
     xv = (rng.standard_normal((6, 50)) * 3).astype(dtype)
     state = {"w": rng.standard_normal((50, 50)).astype(dtype) * 0.3}
@@ -97,7 +100,7 @@ def test_blocked_kernels_match_reference_bit_for_bit(monkeypatch, block, dtype, 
     block (with 1000: many blocks and a ragged last one); a softmax of a transposed (strided)
     input runs unblocked and matches within rounding (the reference's temporaries there follow
     the strided layout, so its sums add in another order)."""
-    monkeypatch.setattr(numpy_executor, "BLOCK", block)
+    monkeypatch.setattr(tiling, "BLOCK", block)
     g = gl.Graph("blocks")
     x = g.input("x", (3, 37, 64), dtype)
     key = g.input("key", (), "int64")
@@ -113,8 +116,9 @@ def test_blocked_kernels_match_reference_bit_for_bit(monkeypatch, block, dtype, 
     feeds = {"x": rng.standard_normal((3, 37, 64)).astype(dtype), "key": np.asarray(9, np.int64)}
     state = {"w": rng.standard_normal(64).astype(dtype), "b": rng.standard_normal(64).astype(dtype)}
     ops = {n.op for n in NUMPY.compile(g, [loss, m, *grads, strided]).run_nodes}
-    gelu = {"gelu", "gelu_backward"} if dtype == "float64" else {"gelu_keep_sigmoid", "gelu_backward_sigmoid"}
-    assert {"layer_norm_keep", "layer_norm_kept", "layer_norm_backward_kept", "dropout_shared"} | gelu <= ops
+    gelu = {"gelu", "gelu_backward"} if dtype == "float64" else {"gelu_sigmoid", "gelu_backward_sigmoid"}
+    assert {"layer_norm_keep", "layer_norm_backward_kept", "dropout_apply",
+            "dropout_keep"} | gelu <= ops
     got, want = run_both(g, [loss, m, *grads, strided], feeds, state)
     for a_, b_ in zip(got[:-1], want[:-1]):
         np.testing.assert_array_equal(a_, b_)
@@ -156,7 +160,7 @@ def test_slice_gradients_are_assembled_like_the_reference(parts, dtype):
 @pytest.mark.parametrize("block", [1000, 1 << 16])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_scaled_causal_softmax_is_fused_and_bit_identical(monkeypatch, block, dtype, threads):
-    monkeypatch.setattr(numpy_executor, "BLOCK", block)
+    monkeypatch.setattr(tiling, "BLOCK", block)
     g = gl.Graph("attn")
     q = g.input("q", (2, 3, 24, 8), dtype)
     k = g.input("k", (2, 3, 24, 8), dtype)
@@ -200,9 +204,9 @@ def test_causal_attention_in_query_blocks_matches_reference(monkeypatch, query_b
     float32, 1e-12 in float64); the unpaired backward (recomputing E) equals the paired one
     bit for bit; the NaN-poisoned arena shows no masked score is read; only the blocks on and
     below the diagonal are kept from forward to backward."""
-    monkeypatch.setattr(numpy_executor, "ATTENTION_QUERY_BLOCK", query_block)
-    monkeypatch.setattr(numpy_executor, "ATTENTION_CHUNK", chunk)
-    monkeypatch.setattr(numpy_executor, "MIN_SPLIT_FLOPS", 0)
+    monkeypatch.setattr(attention, "ATTENTION_QUERY_BLOCK", query_block)
+    monkeypatch.setattr(attention, "ATTENTION_CHUNK", chunk)
+    monkeypatch.setattr(pool, "MIN_SPLIT_FLOPS", 0)
     shape = (2, 3, 37, 8)
     g, y, grads, alone = _attention_graph(shape, dtype)
     rng = np.random.default_rng(11)
@@ -222,7 +226,7 @@ def test_causal_attention_in_query_blocks_matches_reference(monkeypatch, query_b
     # the unpaired backward read the reference's o; on the numpy output it equals the paired one
     again = NUMPY.compile(g, [alone], poison=True).run(dict(feeds, o=got[0]))[0]
     assert again.tobytes() == paired.tobytes()
-    blocks = numpy_executor._query_blocks(37)
+    blocks = attention.query_blocks(37)
     assert len(blocks) == max(1, round(37 / query_block))
     kept = sum((r1 - r0) * r1 for r0, r1 in blocks) + 37   # E's blocks and the row sums l
     assert prog.kept_bytes() == kept * 6 * np.dtype(dtype).itemsize
@@ -266,8 +270,9 @@ def test_set_threads_rejects_what_is_not_a_positive_int(bad):
 
 @pytest.mark.parametrize("total,n,quantum", [(10, 2, 1), (10, 3, 1), (2, 3, 1), (128, 2, 48), (1000, 3, 48),
                                              (48, 2, 48), (7, 1, 1)])
+@pytest.mark.threads
 def test_cuts_are_contiguous_even_and_on_the_quantum(total, n, quantum):
-    cuts = numpy_executor._cuts(total, n, quantum)
+    cuts = tiling.even_cuts(total, n, quantum)
     assert cuts[0][0] == 0 and cuts[-1][1] == total and len(cuts) <= n
     assert all(a < b for a, b in cuts) and all(b == c for (_, b), (c, _) in zip(cuts, cuts[1:]))
     assert all(a % quantum == 0 for a, _ in cuts)
@@ -282,6 +287,7 @@ def test_cuts_are_contiguous_even_and_on_the_quantum(total, n, quantum):
     ((2, 3, 100, 16), (2, 3, 16, 100)),
     ((5, 70, 8), (8, 9)),
 ])
+@pytest.mark.threads
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_matmul_pieces_tile_the_output_and_round_as_the_whole(a_shape, b_shape, n):
     rng = np.random.default_rng(7)
@@ -289,8 +295,11 @@ def test_matmul_pieces_tile_the_output_and_round_as_the_whole(a_shape, b_shape, 
     b = rng.standard_normal(b_shape).astype(np.float32)
     whole = np.matmul(a, b)
     out = np.full_like(whole, np.nan)
-    pieces = numpy_executor._matmul_parts(a, b, out, n)
-    assert 2 <= len(pieces) <= n
+    pieces = matmul.matmul_parts(a, b, out, n)
+    batched = any(d > 1 for d in whole.shape[:-2])   # a batch cut is exact on any BLAS; a row cut may not be
+    assert 2 <= len(pieces) <= n or (not batched and pieces == [])
+    if not pieces:
+        return
     outs = [po for _, _, po in pieces]
     assert all(np.shares_memory(po, out) for po in outs)
     assert not any(np.shares_memory(p, q) for i, p in enumerate(outs) for q in outs[i + 1:])   # disjoint
@@ -299,26 +308,67 @@ def test_matmul_pieces_tile_the_output_and_round_as_the_whole(a_shape, b_shape, 
     assert out.tobytes() == whole.tobytes()    # covered (no NaN left) and rounded as the whole
 
 
+@pytest.mark.threads
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_row_quantum_cuts_round_as_the_whole_on_other_shapes(dtype):
-    """The quantum is found on one probe shape; cuts at its multiples must hold on the shapes of
-    training too (long contractions, few columns, a ragged last tile). A last piece of one row
-    is merged into the one before (NumPy would run it as a gemv, which rounds otherwise)."""
+def test_the_cuts_chosen_for_training_shapes_round_as_the_whole(dtype):
+    """Whatever cut the executor picks for a product (long contractions, few columns, a ragged
+    last tile, a product small enough for a BLAS's small-matrix path), its pieces give the whole
+    product's bytes on this BLAS and kernel; a product with no exact cut stays whole."""
     numpy_executor.set_threads(2)   # (BLAS on one thread, as whenever the executor splits)
-    q = numpy_executor.row_quantum(dtype)
-    assert q is not None and q in numpy_executor.ROW_QUANTUM_CANDIDATES
-    rng = np.random.default_rng(2)
-    for m, k, n in [(128, 192, 768), (128, 768, 192), (200, 1000, 50), (97, 3000, 33), (q + 1, 500, 20)]:
-        a, b = rng.standard_normal((m, k)).astype(dtype), rng.standard_normal((k, n)).astype(dtype)
-        whole = a @ b
-        for s in range(q, m - 1, q):
-            assert np.concatenate([a[:s] @ b, a[s:] @ b]).tobytes() == whole.tobytes(), (m, k, n, s)
-        out = np.full_like(whole, np.nan)
-        pieces = numpy_executor._matmul_parts(a, b, out, 2)
-        assert all(po.shape[0] >= 2 for _, _, po in pieces)
-        for pa, pb, po in pieces:
-            np.matmul(pa, pb, po)
-        assert out.tobytes() == whole.tobytes()
+    try:
+        rng = np.random.default_rng(2)
+        for m, k, n in [(128, 192, 768), (128, 768, 192), (200, 1000, 50), (97, 3000, 33), (25, 500, 20),
+                        (64, 16, 64), (300, 20, 50)]:
+            a, b = rng.standard_normal((m, k)).astype(dtype), rng.standard_normal((k, n)).astype(dtype)
+            whole = a @ b
+            for parts in (2, 3):
+                out = np.full_like(whole, np.nan)
+                pieces = matmul.matmul_parts(a, b, out, parts)
+                assert pieces == [] or 2 <= len(pieces) <= parts
+                assert all(po.shape[0] >= 2 for _, _, po in pieces)   # no gemv piece
+                for pa, pb, po in pieces:
+                    np.matmul(pa, pb, po)
+                assert pieces == [] or out.tobytes() == whole.tobytes(), (m, k, n, parts)
+    finally:
+        numpy_executor.set_threads(1)
+
+
+def _exact_matmul(a, b, out):
+    """A stand-in BLAS that adds every entry's k products in order, whatever the rows."""
+    np.sum(a[..., :, :, None] * b[..., None, :, :], axis=-2, out=out)
+
+
+def _rounds_by_piece_height(a, b, out):
+    """A stand-in BLAS whose products of fewer than 64 rows round otherwise (as a small-matrix
+    kernel may): the last bit of every entry flipped."""
+    _exact_matmul(a, b, out)
+    if a.shape[-2] < 64:
+        bits = out.view(np.uint32)
+        bits ^= 1
+
+
+@pytest.mark.threads
+def test_a_cut_is_used_only_when_its_pieces_round_as_the_whole(monkeypatch):
+    rng = np.random.default_rng(4)
+    a, b = rng.standard_normal((100, 30)).astype(np.float32), rng.standard_normal((30, 20)).astype(np.float32)
+    out = np.empty((100, 20), np.float32)
+    assert matmul.pieces_round_as_whole(a, b, out, 0, [(0, 48), (48, 100)], matmul=_exact_matmul)
+    assert not matmul.pieces_round_as_whole(a, b, out, 0, [(0, 48), (48, 100)],
+                                                    matmul=_rounds_by_piece_height)
+    assert not matmul.pieces_round_as_whole(a, b, out, 0, [(0, 64), (64, 100)],
+                                                    matmul=_rounds_by_piece_height)   # the second piece
+    assert matmul.pieces_round_as_whole(a, b, out, 0, [(0, 100)], matmul=_rounds_by_piece_height)
+    # the executor asks the check (for the product itself) and keeps a product whole when no cut passes
+    asked = []
+    monkeypatch.setattr(matmul, "_cuts_round_as_whole", lambda *args: asked.append(args[3:]) or False)
+    assert matmul.matmul_parts(a, b, out, 2) == []
+    assert asked and all(axis == 0 for axis, _ in asked)
+    # a batched product falls back from a rejected cut to the next best
+    batched = rng.standard_normal((4, 100, 30)).astype(np.float32)
+    out3 = np.empty((4, 100, 20), np.float32)
+    monkeypatch.setattr(matmul, "_cuts_round_as_whole", lambda a, b, out, axis, cuts: axis == 1)
+    pieces = matmul.matmul_parts(batched, b, out3, 2)
+    assert len(pieces) == 2 and all(po.shape[0] == 4 for _, _, po in pieces)
 
 
 @pytest.mark.parametrize("shapes", [
@@ -327,13 +377,14 @@ def test_row_quantum_cuts_round_as_the_whole_on_other_shapes(dtype):
     [(5, 7), (5, 1)],                   # a row statistic broadcast along columns
     [(64,), ()],                        # a scalar operand
 ])
+@pytest.mark.threads
 @pytest.mark.parametrize("n", [2, 3])
 def test_elementwise_pieces_tile_the_output(shapes, n):
     rng = np.random.default_rng(5)
     ins = [rng.standard_normal(sh).astype(np.float32) for sh in shapes]
     whole = np.add(*ins)
     out = np.full_like(whole, np.nan)
-    pieces = numpy_executor._elementwise_parts(ins, out, n)
+    pieces = tiling.elementwise_parts(ins, out, n)
     assert 2 <= len(pieces) <= n
     outs = [po for _, po in pieces]
     assert not any(np.shares_memory(p, q) for i, p in enumerate(outs) for q in outs[i + 1:])   # disjoint
@@ -345,7 +396,7 @@ def test_elementwise_pieces_tile_the_output(shapes, n):
 
 @pytest.mark.parametrize("sizes,n", [([5, 1, 1, 9, 2], 2), ([3], 2), ([1, 1, 1], 3), ([4, 4, 4, 4], 3)])
 def test_size_groups_cover_every_item_once_in_order(sizes, n):
-    groups = numpy_executor._size_groups(sizes, n)
+    groups = tiling.size_groups(sizes, n)
     assert groups[0][0] == 0 and groups[-1][1] == len(sizes) and len(groups) <= n
     assert all(a < b for a, b in groups) and all(b == c for (_, b), (c, _) in zip(groups, groups[1:]))
 
@@ -353,15 +404,15 @@ def test_size_groups_cover_every_item_once_in_order(sizes, n):
 @pytest.fixture
 def split_everything(monkeypatch):
     """Split every kernel that can be split, however small (the graphs of tests are small)."""
-    monkeypatch.setattr(numpy_executor, "MIN_SPLIT_FLOPS", 0)
-    monkeypatch.setattr(numpy_executor, "MIN_SPLIT_ROWS", 0)
-    monkeypatch.setattr(numpy_executor, "MIN_SPLIT_COPY", 0)
-    monkeypatch.setattr(numpy_executor, "MIN_BLOCKS_PER_THREAD", 1)
-    monkeypatch.setattr(numpy_executor, "_MASK_CHUNK", 64)
-    monkeypatch.setattr(numpy_executor, "_ADAMW_CHUNK", 100)
-    monkeypatch.setattr(numpy_executor, "BLOCK", 500)
-    monkeypatch.setattr(numpy_executor, "ATTENTION_QUERY_BLOCK", 8)   # 4 query blocks at T = 32
-    monkeypatch.setattr(numpy_executor, "ATTENTION_CHUNK", 100)       # one matrix per run
+    monkeypatch.setattr(pool, "MIN_SPLIT_FLOPS", 0)
+    monkeypatch.setattr(pool, "MIN_SPLIT_ROWS", 0)
+    monkeypatch.setattr(pool, "MIN_SPLIT_COPY", 0)
+    monkeypatch.setattr(pool, "MIN_BLOCKS_PER_THREAD", 1)
+    monkeypatch.setattr(dropout, "_MASK_CHUNK", 64)
+    monkeypatch.setattr(optimizer, "_ADAMW_CHUNK", 100)
+    monkeypatch.setattr(tiling, "BLOCK", 500)
+    monkeypatch.setattr(attention, "ATTENTION_QUERY_BLOCK", 8)   # 4 query blocks at T = 32
+    monkeypatch.setattr(attention, "ATTENTION_CHUNK", 100)       # one matrix per run
 
 
 def train_steps(dropout: float, executor: str = "numpy", steps: int = 2):
@@ -395,6 +446,7 @@ def _train_two_steps(dropout: float):
     return [x.tobytes() for x in losses], [x.tobytes() for x in norms], {k: v.tobytes() for k, v in state.items()}
 
 
+@pytest.mark.threads
 @pytest.mark.parametrize("dropout", [0.0, 0.2])
 @pytest.mark.parametrize("n", [2, 3])
 def test_training_steps_on_n_threads_are_bit_identical_to_one(split_everything, dropout, n):
@@ -414,6 +466,7 @@ def test_training_steps_on_n_threads_are_bit_identical_to_one(split_everything, 
     assert [k for k in want[2] if got[2][k] != want[2][k]] == []
 
 
+@pytest.mark.threads
 def test_programs_run_from_two_user_threads_at_once_share_the_workers_safely(split_everything):
     """Two threads each running its own training program on a 2-thread executor: whoever finds
     the workers busy runs its pieces itself; both get the one-thread results bit for bit."""
@@ -433,6 +486,7 @@ def test_programs_run_from_two_user_threads_at_once_share_the_workers_safely(spl
     assert len(got) == 2 and all(g == want for g in got)
 
 
+@pytest.mark.threads
 @pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
 def test_a_forked_child_gets_its_own_workers(split_everything):
     """After fork the child has no pool threads of its parent's; it must start its own rather
@@ -453,6 +507,7 @@ def test_a_forked_child_gets_its_own_workers(split_everything):
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
 
 
+@pytest.mark.threads
 def test_a_failing_piece_raises_after_every_piece_finished():
     numpy_executor.set_threads(2)
     done = []
@@ -466,7 +521,7 @@ def test_a_failing_piece_raises_after_every_piece_finished():
         done.append(1)
     try:
         with pytest.raises(ValueError, match="piece failed"):
-            numpy_executor._parallel([fail, slow])
+            pool.parallel([fail, slow])
         assert done == [1]
     finally:
         numpy_executor.set_threads(1)
@@ -507,6 +562,7 @@ def test_kept_bytes_counts_the_buffers_fused_kernels_keep():
     assert prog.kept_bytes() == 64 + 64 * 4 + 64 * 4 + 4 * 4
 
 
+@pytest.mark.threads
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_a_weight_gradient_summed_over_a_batch_is_one_folded_product(split_everything, n):
     """``x [4, 5, 6] @ w [6, 3]`` written directly (not through Linear, which folds the rows
@@ -536,15 +592,16 @@ def test_a_weight_gradient_summed_over_a_batch_is_one_folded_product(split_every
     np.testing.assert_array_equal(got, one)
 
 
+@pytest.mark.threads
 def test_blocked_kernels_split_only_with_enough_blocks_per_thread():
     """A blocked kernel splits over n threads only with at least MIN_BLOCKS_PER_THREAD blocks
     per thread (a few short NumPy calls per thread lose more to the GIL hand-offs than they
     gain: measured 0.6x for dropout's 3 blocks at batch 8 on 2 threads)."""
     import threading
-    per = numpy_executor.MIN_BLOCKS_PER_THREAD
+    per = pool.MIN_BLOCKS_PER_THREAD
     for count, threads_used in ((2 * per - 1, 1), (2 * per, 2)):
         seen = []
-        run = numpy_executor._run_blocks(lambda i: seen.append((i, threading.get_ident())),
+        run = tiling.run_blocks(lambda i: seen.append((i, threading.get_ident())),
                                          [(i,) for i in range(count)])
         numpy_executor.set_threads(2)
         try:

@@ -17,7 +17,8 @@ import pytest
 
 from graphlm import executors
 import graphlm as gl
-from graphlm.executors import native, numpy_executor
+from graphlm.executors import native
+from graphlm.executors import numpy as numpy_executor
 from graphlm.testing import assert_close, feeds_of
 from tests.test_fast_kernels import train_steps
 from tests.test_numpy_executor import _peak_allocation, compare, gpt_step, graph_with_grads, random_dag
@@ -105,6 +106,7 @@ def _threads(n):
     numpy_executor.set_threads(n)
 
 
+@pytest.mark.threads
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("shape", [(3, 5, 7), (2, 64, 96), (1,)])
 def test_gelu_and_exp_forward_and_backward(small_pieces, shape, threads):
@@ -117,11 +119,12 @@ def test_gelu_and_exp_forward_and_backward(small_pieces, shape, threads):
     feeds = {"x": (rng.standard_normal(shape) * 4).astype(np.float32)}
     _threads(threads)
     prog, got, _, want = run_all(g, outputs, feeds)
-    assert {"gelu_keep_sigmoid", "gelu_backward_sigmoid", "exp"} <= prog.native_ops()
+    assert {"gelu_sigmoid", "gelu_backward_sigmoid", "exp"} <= prog.native_ops()
     assert not prog.rounds_like_reference
     close32(got, want, "gelu")
 
 
+@pytest.mark.threads
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("affine", [(True, True), (True, False), (False, True), (False, False)])
 def test_layer_norm_forward_and_backward(small_pieces, affine, threads):
@@ -159,6 +162,7 @@ def test_unpaired_layer_norm_backward_and_plain_gelu_backward():
     close32(got, want, "unpaired", rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.threads
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("t", [1, 5, 64, 130])
 def test_causal_attention_forward_and_backward(small_pieces, t, threads):
@@ -185,6 +189,7 @@ def _dropout_graph(shape, p):
     return g, [y] + gl.grad(gl.sum(y * u), [x])
 
 
+@pytest.mark.threads
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("shape,p", [((7, 9), 0.5), ((4, 300), 0.1), ((2, 2), 0.9)])
 def test_dropout_is_bit_identical_to_numpy(small_pieces, shape, p, threads):
@@ -193,7 +198,7 @@ def test_dropout_is_bit_identical_to_numpy(small_pieces, shape, p, threads):
              "key": np.asarray(77, np.int64)}
     _threads(threads)
     prog, got, mid, want = run_all(g, outputs, feeds)
-    assert prog.native_ops() == {"dropout_shared"}
+    assert prog.native_ops() == {"dropout_keep", "dropout_apply"}
     compare(got, mid, True, "dropout vs numpy")
     compare(got, want, True, "dropout vs reference")
 
@@ -218,6 +223,7 @@ def _adamw_run(executor, shapes, steps=3):
     return losses, state, prog
 
 
+@pytest.mark.threads
 @pytest.mark.parametrize("threads", [1, 2])
 def test_adamw_is_bit_identical_to_numpy(threads):
     shapes = [(6, 5), (5,), (5, 5), (5,), (5, 6)]
@@ -248,6 +254,7 @@ def test_float64_and_strided_inputs_take_the_numpy_kernels():
 
 # -- GPT training steps -----------------------------------------------------------------------------------------
 
+@pytest.mark.threads
 def test_gpt_training_step_matches_reference():
     from graphlm.models import GPTConfig
     cfg = GPTConfig(vocab_size=11, context_length=16, channels=32, head_count=2, layer_count=2)
@@ -255,7 +262,7 @@ def test_gpt_training_step_matches_reference():
     params = {k: v.astype(np.float32) for k, v in params.items()}
     prog, got, _, want = run_all(g, outputs, feeds, params)
     assert not prog.rounds_like_reference
-    assert {"causal_attention_keep", "causal_attention_backward_kept", "gelu_keep_sigmoid",
+    assert {"causal_attention_keep", "causal_attention_backward_kept", "gelu_sigmoid",
             "gelu_backward_sigmoid", "layer_norm_keep", "layer_norm_backward_kept"} <= prog.native_ops()
     close32(got, want, "gpt step", rtol=1e-4, atol=1e-5)
     again = prog.run(feeds, params)
@@ -270,6 +277,7 @@ def _train(executor, threads):
     return np.array(losses), state
 
 
+@pytest.mark.threads
 def test_training_with_dropout_follows_the_reference_and_threads_change_no_bit(small_pieces):
     ref_losses, ref_state = _train("reference", 1)
     one, state1 = _train("native", 1)
@@ -285,6 +293,7 @@ def test_training_with_dropout_follows_the_reference_and_threads_change_no_bit(s
             assert_close(state1[k], ref_state[k], 1e-3, 1e-3, k)
 
 
+@pytest.mark.threads
 def test_a_tinylm_step_allocates_almost_nothing_on_one_or_two_threads():
     """The C kernels' calls are built once (raw addresses of planned arrays); a run allocates
     little beyond the outputs it returns, on 1 and on 2 threads."""

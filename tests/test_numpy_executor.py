@@ -18,7 +18,7 @@ import pytest
 
 from graphlm import executors
 import graphlm as gl
-from graphlm.executors import numpy_executor
+from graphlm.executors import numpy as numpy_executor
 from graphlm.executors.base import ExecutionError
 from graphlm.registry import REGISTRY, register
 from graphlm.testing import assert_close, build, feeds_of
@@ -267,6 +267,7 @@ def tinylm_step():
     return NUMPY.compile(g, outputs), feeds, params
 
 
+@pytest.mark.threads
 def test_run_allocates_almost_nothing(tinylm_step):
     """A run allocates little beyond the outputs it returns; and the kernels alone (profile runs
     them without copying outputs, which would hide smaller temporaries) allocate no more on 2
@@ -274,7 +275,7 @@ def test_run_allocates_almost_nothing(tinylm_step):
     run, not per run. The slack: 2 KiB, plus the one iteration buffer per operand (np.getbufsize()
     elements) that a NumPy ufunc with a broadcast operand allocates while it runs, which the
     second thread's pieces hold at the same time as the first's (attention's row statistics)."""
-    from graphlm.executors import numpy_executor
+    from graphlm.executors import numpy as numpy_executor
     prog, feeds, params = tinylm_step
     first = prog.run(feeds, params)
     out_bytes = sum(a.nbytes for a in first)

@@ -26,8 +26,8 @@ from scipy import special
 
 from graphlm import executors
 import graphlm as gl
-from graphlm.ops import normalize_index
-from graphlm.random import dropout_keep_scale
+from graphlm.ops import layer_norm_keep_layout, normalize_index
+from graphlm.random import counter_uniform, dropout_keep_scale
 from graphlm.registry import REGISTRY, apply
 from graphlm.testing import assert_close, build, check_grads, feeds_of, run
 from tests.gradcheck import check_torch
@@ -284,6 +284,25 @@ def _dropout_torch(x, key, p=0.3, stream=0):
     return x * torch.from_numpy(mask)
 
 
+def _np_layer_norm_keep(x, w, b, eps=1e-5):
+    xc = x - x.mean(-1, keepdims=True)
+    sv = np.sqrt((xc * xc).mean(-1, keepdims=True) + eps)
+    return np.concatenate([p.reshape(-1) for p in (np_layer_norm(x, w, b), xc, sv, xc / sv)])
+
+
+def _t_layer_norm_keep(x, w, b, eps=1e-5):
+    xc = x - x.mean(-1, keepdim=True)
+    sv = torch.sqrt((xc * xc).mean(-1, keepdim=True) + eps)
+    return torch.cat([p.reshape(-1) for p in (TF.layer_norm(x, x.shape[-1:], w, b, eps=eps), xc, sv, xc / sv)])
+
+
+def _layer_norm_backward_kept(x, w, g):
+    """layer_norm_backward_kept(xc, sv, w, g) with xc and sv the parts of a layer_norm_keep of x."""
+    flat = apply("layer_norm_keep", (x,), eps=1e-5, has_weight=False, has_bias=False, keep_xhat=False)
+    parts = {name: gl.reshape(flat[a:b], shape) for name, a, b, shape in layer_norm_keep_layout(x.shape, False)}
+    return apply("layer_norm_backward_kept", (parts["xc"], parts["sv"], w, g), eps=1e-5, has_weight=True)
+
+
 CASES = [
     # -- elementwise binary, with broadcasting -------------------------------------------------
     Case("add", gl.add, binary(F, F), np.add, lambda a, b: torch.add(a, b)),
@@ -466,6 +485,48 @@ CASES = [
     Case("dropout_mask", lambda k: apply("dropout_mask", (k,), p=0.25, stream=3, shape=(4, 5), dtype="<f4"),
          [(KEY(),)], lambda k: dropout_keep_scale(int(k), 3, (4, 5), 0.25, np.float32),
          lambda k: torch.from_numpy(dropout_keep_scale(int(k), 3, (4, 5), 0.25, np.float32)), fd=False, grad=False),
+    # -- ops the graph passes produce (graphlm/passes) ------------------------------------------------
+    Case("matmul_sum", lambda a, b: apply("matmul_sum", (a, b), axes=(0,), keepdims=False),
+         [(F(4, 3, 5), F(4, 5, 2)), (F(2, 3, 2, 4), F(4, 3))],
+         lambda a, b: np.sum(a @ b, 0), lambda a, b: torch.sum(a @ b, 0)),
+    Case("matmul_sum_keepdims", lambda a, b: apply("matmul_sum", (a, b), axes=(0, 1), keepdims=True),
+         [(F(2, 3, 4, 5), F(2, 3, 5, 2))], lambda a, b: np.sum(a @ b, (0, 1), keepdims=True),
+         lambda a, b: torch.sum(a @ b, (0, 1), keepdim=True)),
+    Case("slices_assemble", lambda a, b: apply("slices_assemble", (a, b), shape=(3, 4), covered=False,
+                                               indexes=[normalize_index(0, (3, 4)), normalize_index(2, (3, 4))]),
+         [(F(4), F(2, 2))], lambda a, b: np.stack([a, np.zeros(4), b.reshape(4)]),
+         lambda a, b: torch.stack([a, torch.zeros(4, dtype=a.dtype), b.reshape(4)])),
+    Case("softmax_fused", lambda x: apply("softmax_fused", (x, x.graph.const(np.asarray(0.7, x.dtype))),
+                                          mask=(-math.inf, 0), scale_pos=1),
+         unary(shapes=[(4, 4), (2, 3, 5)]), lambda x: np_softmax(np_causal_mask(x * 0.7)),
+         lambda x: torch.softmax(t_causal_mask(x * 0.7), -1)),
+    Case("softmax_fused_scale_only", lambda x: apply("softmax_fused", (x, x.graph.const(np.asarray(0.5, x.dtype))),
+                                                     mask=None, scale_pos=1),
+         unary(shapes=[(3, 4)]), lambda x: np_softmax(x * 0.5), lambda x: torch.softmax(x * 0.5, -1)),
+    Case("softmax_backward_fused",
+         lambda x, g: apply("softmax_backward_fused", (gl.softmax(x), g, x.graph.const(np.asarray(0.7, x.dtype))),
+                            axis=x.ndim - 1, mask=(0.0, 0), scale_pos=0),
+         [(F(4, 4), F(4, 4)), (F(2, 3, 5), F(2, 3, 5))],
+         lambda x, g: np_causal_mask((lambda y: y * (g - (g * y).sum(-1, keepdims=True)))(np_softmax(x)), 0.0) * 0.7,
+         lambda x, g: t_causal_mask(tvjp(lambda t: torch.softmax(t, -1), x, g), 0.0) * 0.7),
+    Case("gelu_sigmoid", lambda x: apply("gelu_sigmoid", (x,)), unary(),
+         lambda x: 0.5 * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3))),
+         lambda x: 0.5 * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))),
+    Case("gelu_backward_sigmoid", lambda x, g: apply("gelu_backward_sigmoid", (x, g, apply("gelu_sigmoid", (x,)))),
+         [(F(*s), F(*s)) for s in UNARY], lambda x, g: g * np_gelu_grad(x, "tanh"),
+         lambda x, g: tvjp(lambda t: TF.gelu(t, approximate="tanh"), x, g)),
+    Case("layer_norm_keep", lambda x, w, b: apply("layer_norm_keep", (x, w, b), eps=1e-5, has_weight=True,
+                                                  has_bias=True, keep_xhat=True),
+         [(F(*s), F(s[-1]), F(s[-1])) for s in NORM], _np_layer_norm_keep, _t_layer_norm_keep, fd_tol=1e-5),
+    Case("layer_norm_backward_kept", _layer_norm_backward_kept,
+         [(F(*s), F(s[-1]), F(*s)) for s in NORM], np_layer_norm_backward,
+         lambda x, w, g: tvjp(lambda t: TF.layer_norm(t, t.shape[-1:], w, eps=1e-5), x, g), fd_tol=1e-5),
+    Case("dropout_keep", lambda k: apply("dropout_keep", (k,), p=0.25, stream=3, shape=(4, 5)),
+         [(KEY(),)], lambda k: counter_uniform(int(k), 3, (4, 5)) >= np.float32(0.25),
+         lambda k: torch.from_numpy(counter_uniform(int(k), 3, (4, 5)) >= np.float32(0.25)), fd=False, grad=False),
+    Case("dropout_apply", lambda x, k: apply("dropout_apply", (x, apply("dropout_keep", (k,), p=0.3, stream=0,
+                                                                        shape=x.shape)), p=0.3),
+         [(F(4, 5), KEY()), (F(2, 3, 4), KEY())], _dropout_ref, _dropout_torch),
     Case("slice_backward",
          lambda g: apply("slice_backward", (g,), in_shape=(4, 5), index=normalize_index(SLICE_IDX, (4, 5))),
          [(F(2),)], lambda g: np_slice_backward(g, (4, 5), SLICE_IDX), zeros_vjp((4, 5), SLICE_IDX)),

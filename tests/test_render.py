@@ -227,7 +227,7 @@ def test_plan_annotations_match_the_numpy_plan():
     g, loss, grads = nested_graph()
     program = executors.get("numpy").compile(g, [loss, *grads])
     plan = program.plan
-    stmts = node_statements(R.to_dot(g, plan=plan))
+    stmts = node_statements(R.to_dot(program.graph, plan=plan))   # the graph planned: after the passes
     kinds = {e.kind for e in plan.entries.values()}
     assert "inplace" in kinds and "view" in kinds
     for nid, e in plan.entries.items():

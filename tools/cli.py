@@ -294,8 +294,12 @@ def cmd_render(args) -> int:
     config, graph, outputs = _graph_of(args)
     _check_scope(graph, args)
     plan = None
-    if args.plan:
-        plan = _compile_planned(graph, outputs, args).plan
+    if args.plan:   # the graph the executor planned: after its passes
+        program = _compile_planned(graph, outputs, args)
+        graph, plan = program.graph, program.plan
+    elif args.passes:
+        from graphlm.passes import run_pipeline
+        graph = run_pipeline(args.passes, graph, outputs).graph
     start = time.perf_counter()
     if html:
         from .html_page import write_page
@@ -442,6 +446,8 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from graphlm.passes import PIPELINES
+
     parser = Parser(
         prog="graphlm", description="graphlm: draw, count, plan, train and sample GPT-style "
         "models built as static graphs.",
@@ -473,6 +479,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="annotate arena offsets, in-place nodes and views from the executor's "
                         "memory plan (default: off)")
     _executor_option(p)
+    p.add_argument("--passes", default=None, choices=sorted(PIPELINES),
+                   help="draw the graph after a pass pipeline (graphlm/passes), e.g. numpy, the "
+                        "one the numpy executor runs; --plan implies it (default: the graph as built)")
     p.add_argument("--timeout", type=float_at_least(0.0, strict=True), default=120.0,
                    help="seconds to let Graphviz run (default: %(default)s)")
     p.set_defaults(func=cmd_render)

@@ -17,7 +17,8 @@ from graphlm import executors
 
 FLAG_NAMES = {
     "elementwise": "output[i] depends on inputs[i] only (after broadcasting)",
-    "inplace": "a kernel may write its output over a dying same-size input",
+    "inplace": "the numpy executor's kernel may write its output over a dying same-size input "
+               "(its kernel table says which inputs: executors/numpy, the one place this is stated)",
     "view": "the output can alias its input's memory",
     "fused": "has a decomposition into simpler ops (tests check that the two agree)",
     "no grad": "not differentiable",
@@ -25,8 +26,19 @@ FLAG_NAMES = {
 }
 
 
+def inplace_in_numpy(name: str) -> bool:
+    """Whether the numpy executor's kernel of op `name` declares inputs it may overwrite."""
+    from graphlm.executors.numpy import KERNELS
+    k = KERNELS.get(name)
+    return k is not None and (callable(k.inplace) or bool(k.inplace))
+
+
 def flags(op: OpDef) -> list[str]:
-    out = [name for name in ("elementwise", "inplace", "view") if getattr(op, name)]
+    out = ["elementwise"] if op.elementwise else []
+    if inplace_in_numpy(op.name):
+        out.append("inplace")
+    if op.view:
+        out.append("view")
     if op.decompose is not None:
         out.append("fused")
     if not op.differentiable:

@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from graphlm.executors import numpy_executor
+from graphlm.executors import numpy as numpy_executor
 from graphlm.io.runfolder import RunLock
 from graphlm.train import BEST_NAME, CHECKPOINT_NAME, Diverged, Trainer, TrainOptions, resume_options
 

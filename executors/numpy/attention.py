@@ -1,0 +1,197 @@
+"""Kernels of the numpy executor: causal attention in query blocks, forward and backward."""
+from __future__ import annotations
+
+import numpy as np
+
+from . import pool
+from .table import kernel, scalar
+from .tiling import even_cuts, run_blocks
+
+
+# == causal attention ==================================================================================
+# softmax(causal_mask(q @ k^T * scale)) @ v and its gradient, in query blocks of about
+# ATTENTION_QUERY_BLOCK rows: query block [r0, r1) needs keys [0, r1) only, so the scores above the
+# block diagonal (a quarter of them with two blocks) are never computed, exponentiated or
+# multiplied, nor stored: the scores are kept block after block, block b of all matrices as one
+# contiguous [..., r1 - r0, r1] array (strided sub-blocks would make NumPy's broadcasting passes
+# buffer every operand and run 2.5x slower per element). Per run of matrices (ATTENTION_CHUNK
+# score elements, so a block's passes stay in cache) the forward keeps E = exp(s - rowmax)
+# unnormalised and l = rowsum(E); the output is (E @ v) / l, and the backward works from E and g/l:
+#   ds = E * ((g/l) @ v^T - rowsum(g*o)/l)   (= P * (dP - rowsum(P*dP)), the softmax gradient)
+#   dq = ds @ k * scale,  dk = ds^T @ q * scale,  dv = E^T @ (g/l)
+# (dk and dv summed over the query blocks). The scale multiplies q (forward) and dq, dk (backward)
+# instead of the T x T scores. This rounds differently from the reference's plain form (tests
+# compare within 1e-6 relative); the results do not depend on the thread count.
+
+ROUNDS_OWN_WAY = {"causal_attention", "causal_attention_keep", "causal_attention_backward",
+                  "causal_attention_backward_kept"}
+ATTENTION_QUERY_BLOCK = 64
+ATTENTION_CHUNK = 1 << 17   # score elements per run of matrices (512 KiB of float32)
+
+
+def query_blocks(t: int) -> list[tuple[int, int]]:
+    return even_cuts(t, max(1, round(t / ATTENTION_QUERY_BLOCK)))
+
+
+def _score_size(t: int) -> int:
+    """Score elements kept per matrix: the blocks on and below the diagonal."""
+    return sum((r1 - r0) * r1 for r0, r1 in query_blocks(t))
+
+
+def _score_blocks(e, lead, t: int) -> list[np.ndarray]:
+    """Views ``[*lead, r1 - r0, r1]`` of the query blocks in a score buffer of ``S * prod(lead)``
+    elements, block after block (so a run of matrices of one block is contiguous)."""
+    flat, m = e.reshape(-1), int(np.prod(lead, dtype=np.int64))
+    views, at = [], 0
+    for r0, r1 in query_blocks(t):
+        size = (r1 - r0) * r1 * m
+        views.append(flat[at:at + size].reshape(tuple(lead) + (r1 - r0, r1)))
+        at += size
+    return views
+
+
+def _attention_chunks(lead, t: int, pieces: int = 1) -> list[tuple]:
+    """Index tuples that select runs of matrices along the last leading axis (at most
+    ATTENTION_CHUNK score elements each, and at least `pieces` runs where there are enough
+    matrices). Leading shape () gives one run: the matrix with a new axis in front."""
+    if not lead:
+        return [(None,)]
+    inner = lead[-1]
+    per = max(1, min(inner, ATTENTION_CHUNK // max(1, t * t)))
+    outer = int(np.prod(lead[:-1], dtype=np.int64))
+    while per > 1 and outer * -(-inner // per) < pieces:
+        per = -(-per // 2)
+    return [tuple(o) + (slice(h, min(h + per, inner)),)
+            for o in np.ndindex(*lead[:-1]) for h in range(0, inner, per)]
+
+
+def _attention_closure(body, arrays, lead, t: int, flops: int):
+    """A closure running `body` over runs of matrices of `arrays` (each indexed by the run), the
+    runs cut finer and split over the executor's threads when the work is large."""
+    def runs(pieces):
+        return [tuple(a[idx] for a in arrays) for idx in _attention_chunks(lead, t, pieces)]
+    return run_blocks(body, runs(1), runs if flops >= pool.MIN_SPLIT_FLOPS else lambda n: [])
+
+
+def _attention_flops(shape) -> int:
+    """The forward's product FLOPs with the masked quarter skipped (a split threshold only)."""
+    t, d = shape[-2:]
+    return 4 * int(np.prod(shape[:-2], dtype=np.int64)) * t * t * d * 3 // 4
+
+
+def softmax_block(x, lb, r0, up):
+    """One query block's scores x ``[m, r1 - r0, r1]`` (query rows from r0) to E = exp(x - rowmax)
+    in place, the diagonal block's upper triangle `up` masked to 0; lb ``[m, r1 - r0, 1]`` gets
+    rowsum(E)."""
+    np.copyto(x[..., r0:], -np.inf, where=up)
+    np.maximum.reduce(x, axis=-1, keepdims=True, out=lb)
+    np.subtract(x, lb, x)
+    np.exp(x, x)
+    np.add.reduce(x, axis=-1, keepdims=True, out=lb)
+
+
+def softmax_ds_block(s, x, ddb):
+    """One query block of the softmax gradient, in place: s = (s - ddb) * E (E in x)."""
+    np.subtract(s, ddb, s)
+    np.multiply(s, x, s)   # E is 0 above the diagonal
+
+
+# the attention kernels' two block steps; an executor deriving from this one may pass its own
+ATTENTION_BLOCK_STEPS = (softmax_block, softmax_ds_block)
+
+
+def _attention_scores(q, k, v, o, l, qs, e, scale, blocks, above, steps=ATTENTION_BLOCK_STEPS):
+    """E (blocks `e`) and l of one run of matrices; and, when `o` is given, o = (E @ v) / l."""
+    np.multiply(q, scale, qs)
+    for (r0, r1), up, x in zip(blocks, above, e):
+        lb = l[..., r0:r1, :]
+        np.matmul(qs[..., r0:r1, :], np.swapaxes(k[..., :r1, :], -1, -2), x)
+        steps[0](x, lb, r0, up)
+        if o is not None:
+            np.matmul(x, v[..., :r1, :], o[..., r0:r1, :])
+    if o is not None:
+        np.divide(o, l, o)
+
+
+def _attention_gradients(q, k, v, o, g, l, dq, dk, dv, gs, dd, tmp, e, ds, scale, blocks,
+                         steps=ATTENTION_BLOCK_STEPS):
+    np.multiply(g, o, gs)
+    np.add.reduce(gs, axis=-1, keepdims=True, out=dd)   # rowsum(g*o) = rowsum(P*dP)
+    np.divide(dd, l, dd)
+    np.divide(g, l, gs)
+    for (r0, r1), x, s in zip(blocks, e, ds):
+        np.matmul(gs[..., r0:r1, :], np.swapaxes(v[..., :r1, :], -1, -2), s)
+        steps[1](s, x, dd[..., r0:r1, :])
+        np.matmul(s, k[..., :r1, :], dq[..., r0:r1, :])
+    # dk, dv: sums over the query blocks of ds_b^T @ q_b and E_b^T @ (g/l)_b, which reach keys
+    # [0, r1): the last block (all keys) writes, the others add
+    for i in reversed(range(len(blocks))):
+        r0, r1 = blocks[i]
+        last = i == len(blocks) - 1
+        for a, b, out in ((ds[i], q, dk), (e[i], gs, dv)):
+            target = out if last else tmp[..., :r1, :]
+            np.matmul(np.swapaxes(a, -1, -2), b[..., r0:r1, :], target)
+            if not last:
+                np.add(out[..., :r1, :], target, out[..., :r1, :])
+    np.multiply(dq, scale, dq)
+    np.multiply(dk, scale, dk)
+
+
+def _attention_plan(node):
+    t = node.shape[-2]
+    blocks = query_blocks(t)
+    above = [~np.tri(r1 - r0, r1 - r0, dtype=bool) for r0, r1 in blocks]
+    return blocks, above, scalar(node.attrs["scale"], node.dtype)
+
+
+def _scores_specs(shape, dtype, *keep):
+    """Scratch specs of E ``[*lead, S]`` and l ``[*lead, T, 1]`` for attention of `shape`."""
+    lead, t = shape[:-2], shape[-2]
+    return [(lead + (_score_size(t),), dtype, *keep), (lead + (t, 1), dtype, *keep)]
+
+
+def _attention_scratch(node, pos):
+    slot = node.attrs.get("slot")
+    return [(node.shape, node.dtype)] + _scores_specs(node.shape, node.dtype,
+                                                      *([slot.until] if slot else []))
+
+
+@kernel("causal_attention", "causal_attention_keep", scratch=_attention_scratch)
+def build_causal_attention(node, out, ins, scratch, steps=ATTENTION_BLOCK_STEPS):
+    q, k, v = ins
+    qs, e, l = scratch
+    if "slot" in node.attrs:   # planned in the arena, live until the backward reads them
+        node.attrs["slot"].e, node.attrs["slot"].l = e, l
+    blocks, above, scale = _attention_plan(node)
+    lead, t = node.shape[:-2], node.shape[-2]
+    body = lambda q, k, v, o, l, qs, *e: _attention_scores(q, k, v, o, l, qs, e, scale, blocks, above, steps)
+    return _attention_closure(body, [q, k, v, out, l, qs, *_score_blocks(e, lead, t)], lead, t,
+                              _attention_flops(node.shape))
+
+
+def _attention_backward_scratch(node, pos):
+    shape, dt = node.shape[1:], node.dtype
+    own = [_scores_specs(shape, dt)[0], (shape, dt), (shape[:-1] + (1,), dt), (shape, dt)]  # ds, g/l, dd, tmp
+    if node.op == "causal_attention_backward":   # unpaired: E and l recomputed here
+        own += _scores_specs(shape, dt)
+    return own
+
+
+@kernel("causal_attention_backward", "causal_attention_backward_kept", scratch=_attention_backward_scratch)
+def build_causal_attention_backward(node, out, ins, scratch, steps=ATTENTION_BLOCK_STEPS):
+    q, k, v, o, g = ins
+    ds, gs, dd, tmp, *own = scratch
+    slot = node.attrs.get("slot")
+    e, l = (slot.e, slot.l) if slot is not None else own
+    blocks, above, scale = _attention_plan(node)
+    lead, t = node.shape[1:-2], node.shape[-2]
+    nb = len(blocks)
+
+    def body(q, k, v, o, g, l, dq, dk, dv, gs, dd, tmp, *blocks_e_ds):
+        e, ds = blocks_e_ds[:nb], blocks_e_ds[nb:]
+        if slot is None:   # unpaired: the forward's E and l first (gs holds q * scale meanwhile)
+            _attention_scores(q, k, None, None, l, gs, e, scale, blocks, above, steps)
+        _attention_gradients(q, k, v, o, g, l, dq, dk, dv, gs, dd, tmp, e, ds, scale, blocks, steps)
+    arrays = [q, k, v, o, g, l, out[0], out[1], out[2], gs, dd, tmp,
+              *_score_blocks(e, lead, t), *_score_blocks(ds, lead, t)]
+    return _attention_closure(body, arrays, lead, t, 2 * _attention_flops(node.shape[1:]))

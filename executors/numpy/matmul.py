@@ -1,0 +1,143 @@
+"""Kernels of the numpy executor: matmul and the folded matmul sum, split over threads only along
+cuts whose pieces round exactly as the whole product (tried once per distinct product)."""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from graphlm.ops import matmul_sum_folding
+
+from ..planner import ALIGN
+from . import pool
+from .pool import threaded
+from .table import kernel
+from .tiling import balanced_axis, cut_along, even_cuts, flat_view
+
+
+ROW_QUANTUM_CANDIDATES = (8, 16, 24, 32, 48, 64, 96)   # matmul row blocks: see matmul_parts
+
+
+def _probe_like(x: np.ndarray, rng) -> np.ndarray:
+    """Random values in an array of x's shape, dtype and strides (64-byte aligned, as the arena),
+    for trying a product's cuts without touching x."""
+    if any(st < 0 for st in x.strides):
+        return rng.standard_normal(x.shape).astype(x.dtype)
+    span = 1 + sum((d - 1) * st for d, st in zip(x.shape, x.strides)) // x.itemsize if x.size else 1
+    raw = np.empty(span * x.itemsize + ALIGN, np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    buf = raw[start:start + span * x.itemsize].view(x.dtype)
+    buf[...] = rng.standard_normal(span)
+    return np.lib.stride_tricks.as_strided(buf, x.shape, x.strides)
+
+
+def pieces_round_as_whole(a, b, out, axis: int, cuts, matmul=np.matmul) -> bool:
+    """Whether ``a @ b -> out`` computed as the products of its pieces [s, e) along out's `axis`
+    gives the whole product's bytes. Tried on random operands of the same shapes, strides and
+    dtype: a BLAS call's order of operations depends on its shapes (blocking, register tiles, the
+    small-matrix and gemv paths), not on the values, so one try decides every later run."""
+    rng = np.random.default_rng(0)
+    pa, pb = _probe_like(a, rng), _probe_like(b, rng)
+    whole, split = np.empty(out.shape, out.dtype), np.full(out.shape, np.nan, out.dtype)
+    matmul(pa, pb, whole)
+    rows = axis == out.ndim - 2
+    for s, e in cuts:
+        matmul(cut_along(pa, out.ndim, axis, s, e), pb if rows else cut_along(pb, out.ndim, axis, s, e),
+               cut_along(split, out.ndim, axis, s, e))
+    return whole.tobytes() == split.tobytes()
+
+
+_checked_cuts: dict[tuple, bool] = {}
+
+
+def _cuts_round_as_whole(a, b, out, axis: int, cuts) -> bool:
+    """pieces_round_as_whole, tried once per distinct product and cut in this process."""
+    key = (out.dtype.str, a.shape, a.strides, b.shape, b.strides, out.shape, out.strides, axis, tuple(cuts))
+    found = _checked_cuts.get(key)
+    if found is None:
+        found = _checked_cuts[key] = pieces_round_as_whole(a, b, out, axis, cuts)
+    return found
+
+
+def matmul_parts(a, b, out, n):
+    """[(a_i, b_i, out_i)]: ``a @ b -> out`` cut into at most n products along out's largest
+    batch axis or into blocks of rows (at multiples of one of ROW_QUANTUM_CANDIDATES rows), the
+    best balanced cut first (a batch cut on a tie: it leaves every GEMM as it was). A cut is used
+    only when its pieces round exactly as the whole product, tried once per distinct product on
+    random operands of its shapes (`pieces_round_as_whole`): BLAS kernels compute rows in
+    register tiles and take other paths for small products, so which cuts are exact depends on
+    the BLAS, its kernel and the shape. No exact cut: [] (the product stays whole)."""
+    if a.ndim < 2 or b.ndim < 2:
+        return []
+    options = []   # (largest piece / total, prefer, axis of out, cuts)
+    batch = balanced_axis(out.shape[:-2], n)
+    if batch is not None:
+        options.append((batch[0], 0, batch[1], batch[2]))
+    m, seen = out.shape[-2], set()
+    for quantum in ROW_QUANTUM_CANDIDATES:
+        if m <= quantum:
+            break
+        cuts = even_cuts(m, n, quantum)
+        if cuts[-1][1] - cuts[-1][0] == 1:   # NumPy runs a one-row product as a gemv (other rounding)
+            cuts = cuts[:-2] + [(cuts[-2][0], m)]
+        if len(cuts) > 1 and tuple(cuts) not in seen:
+            seen.add(tuple(cuts))
+            options.append((max(e - s for s, e in cuts) / m, 1, out.ndim - 2, cuts))
+    for _, _, axis, cuts in sorted(options, key=lambda o: o[:2]):
+        if _cuts_round_as_whole(a, b, out, axis, cuts):
+            rows = axis == out.ndim - 2
+            return [(cut_along(a, out.ndim, axis, s, e), b if rows else cut_along(b, out.ndim, axis, s, e),
+                     cut_along(out, out.ndim, axis, s, e)) for s, e in cuts]
+    return []
+
+
+def matmul_closure(a, b, out):
+    """np.matmul(a, b, out), split over the executor's threads when the product is large."""
+    whole = functools.partial(np.matmul, a, b, out)   # out positional: see _ufunc_kernel
+    batch = int(np.prod(out.shape[:-2], dtype=np.int64)) if out.ndim > 2 else 1
+    if a.ndim < 2 or b.ndim < 2 or 2 * batch * out.shape[-2] * a.shape[-1] * out.shape[-1] < pool.MIN_SPLIT_FLOPS:
+        return whole
+    return threaded(whole, lambda n: [functools.partial(np.matmul, *p) for p in matmul_parts(a, b, out, n)])
+
+
+@kernel("matmul")
+def _matmul(node, out, ins, scratch):
+    # (not folded here: OpenBLAS rounds a folded float32 product differently from the batched
+    # one the reference computes; graphlm.nn.Linear folds its rows in the graph instead)
+    return matmul_closure(ins[0], ins[1], out)
+
+
+def matmul_sum_operands(a, b, axes):
+    """Views A' [..., m, S*k] and B' [..., S*k, n] such that sum over `axes` of a @ b is A' @ B'
+    (graphlm.ops.matmul_sum_folding), or None when NumPy would need copies."""
+    pa, sa, pb, sb, shape = matmul_sum_folding(a, b, axes)
+    try:
+        return np.reshape(pa, sa, copy=False), np.reshape(pb, sb, copy=False), shape
+    except ValueError:
+        return None
+
+
+def _folded_operand(perm, shape):
+    """(A', refresh): A' a view of `perm` reshaped to `shape`, or, where its strides do not
+    allow that, a buffer made once here and refreshed from `perm` by calling `refresh()`."""
+    view = flat_view(perm, shape)
+    if view is not None:
+        return view, None
+    buf = np.empty(shape, perm.dtype)
+    return buf, functools.partial(np.copyto, np.reshape(buf, perm.shape), perm)
+
+
+@kernel("matmul_sum")
+def _matmul_sum(node, out, ins, scratch):
+    pa, sa, pb, sb, shape = matmul_sum_folding(ins[0], ins[1], node.attrs["axes"])
+    (a2, refresh_a), (b2, refresh_b) = _folded_operand(pa, sa), _folded_operand(pb, sb)
+    product = matmul_closure(a2, b2, np.reshape(out, shape, copy=False))
+    refresh = [r for r in (refresh_a, refresh_b) if r is not None]
+    if not refresh:
+        return product
+
+    def run():   # (operands whose strides fold only through a copy: rare, outside the arena)
+        for r in refresh:
+            r()
+        product()
+    return run

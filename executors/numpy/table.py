@@ -1,0 +1,92 @@
+"""The numpy executor's kernel table and its contract.
+
+`KERNELS[op] = Kernel(build, inplace=..., scratch=...)`, registered with `@kernel(op, ...)` by
+the kernel families of this package (elementwise, movement, matmul, norms, attention, dropout,
+optimizer):
+
+- ``build(node, out, ins, scratch) -> callable()``: `out` is the node's planned array, `ins` the
+  arrays of its inputs (for update ops: the caller's state arrays, written in place), `scratch`
+  the temporaries asked for. The returned closure computes the node into `out`; it must not
+  allocate arrays proportional to the data (use ``out=``).
+- ``inplace``: input positions the kernel can overwrite with its output (the planner uses one
+  only when that input dies at this node and has the output's shape and dtype), or a function
+  ``node -> positions``.
+- ``scratch(node, inplace_pos) -> [(shape, dtype), ...]``: temporaries for one step; they live in
+  the arena (a spec ``(shape, dtype, until_node_id)`` lives until that node: kept values).
+
+An op with a reference kernel but no entry here runs the reference kernel and copies its result
+into the planned buffer (correct, but it allocates); an op with neither fails at compile.
+Kernels compute exactly the reference's arithmetic, in the same order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .. import reference
+from ..base import ExecutionError, node_where
+
+
+@dataclass(frozen=True)
+class Kernel:
+    build: Callable
+    inplace: Sequence[int] | Callable = ()
+    scratch: Callable | None = None
+
+
+KERNELS: dict[str, Kernel] = {}
+
+
+def kernel(*names, inplace=(), scratch=None):
+    """Register `build` as the kernel of each op in `names`."""
+    def deco(build):
+        for name in names:
+            KERNELS[name] = Kernel(build, inplace, scratch)
+        return build
+    return deco
+
+
+def scalar(x, dtype):
+    """A scalar as a 0-d array of `dtype` (float32 stays float32, as in the reference)."""
+    return np.asarray(x, dtype=dtype)
+
+
+def all_inputs(node):
+    return tuple(range(len(node.inputs)))
+
+
+def _reference_fallback(node, out, ins, scratch):
+    """Any op with only a reference kernel: run it and copy the result into the planned buffer."""
+    ref = reference.KERNELS[node.op]
+
+    def run():
+        res = np.asarray(ref(node, *ins))
+        if res.shape != out.shape:
+            raise ExecutionError(f"{node_where(node)}: kernel gave {res.shape}, expected {out.shape}")
+        np.copyto(out, res, casting="unsafe")
+    return run
+
+
+_FALLBACK = Kernel(_reference_fallback)
+
+
+def kernel_for(op: str, table: dict[str, Kernel] = KERNELS) -> Kernel | None:
+    k = table.get(op)
+    if k is None and op in reference.KERNELS:
+        return _FALLBACK
+    return k
+
+
+def inplace_positions(node, table=KERNELS) -> Sequence[int]:
+    """Input positions the node's kernel can overwrite (the kernel knows; the fallback none)."""
+    k = kernel_for(node.op, table)
+    if k is None:
+        return ()
+    return tuple(k.inplace(node) if callable(k.inplace) else k.inplace)
+
+
+def scratch_specs(node, pos, table=KERNELS):
+    k = kernel_for(node.op, table)
+    return list(k.scratch(node, pos)) if k is not None and k.scratch else []

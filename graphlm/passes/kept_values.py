@@ -1,0 +1,87 @@
+"""Pass `kept_values`: a forward op keeps what its backward would recompute, as a tensor of the
+graph (its producer, its readers and its lifetime are the memory plan's like any other value).
+
+- the tanh GELU whose input also feeds a ``gelu_backward``: ``gelu(x)`` -> ``x * s`` with
+  ``s = gelu_sigmoid(x)``, and ``gelu_backward(x, g)`` -> ``gelu_backward_sigmoid(x, g, s)`` (no
+  exp recomputed; the same arithmetic, bit for bit). float32 only, as the numpy executor's
+  kernels are written for it. (s is its own node, not a second half of the GELU's buffer: the
+  GELU's output then dies at its last reader, not at the backward.)
+- a layer norm whose input also feeds a ``layer_norm_backward`` (same eps) or a plain
+  ``layer_norm(x)`` (the normalised input of the weight gradient): the first forward becomes
+  ``layer_norm_keep`` (flat: y, xc = x - mean, sv = sqrt(var + eps), and xhat = xc / sv when a
+  plain one reads it), whose parts are views; the backward becomes
+  ``layer_norm_backward_kept(xc, sv, [w], g)`` (4 of its 17 passes saved) and the plain layer
+  norm the xhat view. Those nodes no longer read x, so x's buffer can die at the forward.
+"""
+from __future__ import annotations
+
+from graphlm.ops import layer_norm_keep_layout, normalize_index
+
+from .rewrite import Pass, Rule
+
+
+def _tanh_gelu(node) -> bool:
+    return node.attrs["approximate"] == "tanh" and node.dtype.name == "float32"
+
+
+def _gelu(node, ctx):
+    x = node.inputs[0]
+    if not _tanh_gelu(node) or not any(r.op == "gelu_backward" and _tanh_gelu(r) and r.inputs[0] is x
+                                       and r.id > node.id for r in ctx.readers(x)):
+        return None
+    s = ctx.memo[("gelu sigmoid", x.id)] = ctx.emit("gelu_sigmoid", (ctx.new(x),), kept=True)
+    return ctx.emit("mul", (ctx.new(x), s))
+
+
+def _gelu_backward(node, ctx):
+    x, g = node.inputs
+    s = ctx.memo.get(("gelu sigmoid", x.id))
+    if s is None or not _tanh_gelu(node):
+        return None
+    return ctx.emit("gelu_backward_sigmoid", (ctx.new(x), ctx.new(g), s))
+
+
+def _plain(node) -> bool:
+    return node.op == "layer_norm" and not node.attrs.get("has_weight") and not node.attrs.get("has_bias")
+
+
+def _part(ctx, flat, start, stop, shape, kept):
+    piece = ctx.emit("slice", (flat,), index=normalize_index(slice(start, stop), flat.shape))
+    return ctx.emit("reshape", (piece,), shape=tuple(shape), kept=kept)
+
+
+def _layer_norm(node, ctx):
+    x, eps = node.inputs[0], node.attrs["eps"]
+    kept = ctx.memo.get(("layer norm", x.id, eps))
+    if kept is not None:   # a later plain layer norm of the same input: the kept xhat
+        return kept.get("xhat") if _plain(node) else None
+    if node.is_backward:
+        return None
+    users = [r for r in ctx.readers(x) if r.id > node.id and r.inputs[0] is x and r.attrs.get("eps") == eps
+             and (r.op == "layer_norm_backward" or _plain(r))]
+    if not users:
+        return None
+    keep_xhat = any(_plain(u) for u in users)
+    flat = ctx.emit("layer_norm_keep", [ctx.new(i) for i in node.inputs], **node.attrs, keep_xhat=keep_xhat)
+    parts = {name: _part(ctx, flat, a, b, sh, name != "y") for name, a, b, sh in layer_norm_keep_layout(x.shape, keep_xhat)}
+    ctx.memo[("layer norm", x.id, eps)] = parts
+    return parts["y"]
+
+
+def _layer_norm_backward(node, ctx):
+    x, eps = node.inputs[0], node.attrs["eps"]
+    kept = ctx.memo.get(("layer norm", x.id, eps))
+    if kept is None:
+        return None
+    rest = [ctx.new(i) for i in node.inputs[1:]]   # [w], g
+    return ctx.emit("layer_norm_backward_kept", [kept["xc"], kept["sv"], *rest], eps=eps,
+                    has_weight=bool(node.attrs.get("has_weight")))
+
+
+KEPT_VALUES = Pass("kept_values", (
+    Rule("tanh GELU with its backward", ("gelu",), _gelu),
+    Rule("tanh GELU backward from the kept sigmoid", ("gelu_backward",), _gelu_backward),
+    Rule("layer norm with its backward", ("layer_norm",), _layer_norm),
+    Rule("layer norm backward from the kept statistics", ("layer_norm_backward",), _layer_norm_backward),
+), doc="gelu(x) + gelu_backward(x, g) -> x * s + gelu_backward_sigmoid(x, g, s), s = gelu_sigmoid(x); "
+       "layer_norm(x) + layer_norm_backward(x, g) -> layer_norm_keep(x) parts + layer_norm_backward_kept(xc, sv, g)")

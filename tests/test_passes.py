@@ -1,0 +1,252 @@
+"""Graph passes (graphlm/passes): each rule on its own, the rewritten graph against the source
+graph on the reference executor, the replacement map, the driver's checks and the pipelines."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import graphlm as gl
+from graphlm import executors, passes
+from graphlm.ir import GraphError
+from graphlm.passes.attention_softmax import ATTENTION_SOFTMAX
+from graphlm.passes.dropout_masks import DROPOUT_MASKS
+from graphlm.passes.kept_values import KEPT_VALUES
+from graphlm.passes.matmul_sum import MATMUL_SUM
+from graphlm.passes.slice_gradients import SLICE_GRADIENTS
+
+REF = executors.get("reference")
+
+
+def both(g, outputs, pass_, feeds, state=None):
+    """(rewritten, values of the rewritten graph, values of the source graph), both on reference."""
+    rw = passes.rewrite(g, outputs, pass_)
+    got = REF.compile(rw.graph, rw.outputs).run(feeds, state)
+    want = REF.compile(g, outputs).run(feeds, state)
+    return rw, got, want
+
+
+def ops_of(graph) -> list[str]:
+    return [n.op for n in graph.nodes]
+
+
+def test_matmul_sum_folds_a_batched_weight_gradient():
+    g = gl.Graph("mm")
+    x = g.input("x", (4, 5, 6), "float64")
+    w = g.param("w", (6, 3), "float64")
+    loss = gl.sum(gl.tanh(x @ w))
+    (gw,) = gl.grad(loss, [w])
+    rng = np.random.default_rng(0)
+    feeds, state = {"x": rng.standard_normal((4, 5, 6))}, {"w": rng.standard_normal((6, 3))}
+    rw, got, want = both(g, [loss, gw], MATMUL_SUM, feeds, state)
+    assert ops_of(rw.graph).count("matmul_sum") == 1
+    fold = next(n for n in rw.graph.nodes if n.op == "matmul_sum")
+    assert fold.attrs["made_by"] == "matmul_sum" and rw.made_by(fold) == "matmul_sum"
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-12)   # one product: rounds on its own
+    assert got[0].tobytes() == want[0].tobytes()
+    # the map: the sum now is the fold, the absorbed matmul points at it
+    summed = next(n for n in g.nodes if n.op == "sum" and n.inputs[0].op == "matmul")
+    assert rw.replaced[summed.id] is fold and rw.replaced[summed.inputs[0].id] is fold
+
+
+def test_matmul_sum_is_left_alone_where_the_product_has_another_use_or_folds_only_by_copy():
+    g = gl.Graph("mm2")
+    x = g.input("x", (4, 5, 6))
+    w = g.input("w", (4, 6, 3))
+    p = x @ w
+    kept = gl.sum(p, axis=0)
+    assert "matmul_sum" not in ops_of(passes.rewrite(g, [kept, p], MATMUL_SUM).graph)   # p is an output
+    # x @ w^T summed over the batch: w^T's layout folds only through a copy
+    h = g.input("h", (4, 5, 3))
+    gx = gl.sum(h @ gl.swapaxes(w, -1, -2), axis=0)
+    assert "matmul_sum" not in ops_of(passes.rewrite(g, [gx], MATMUL_SUM).graph)
+
+
+@pytest.mark.parametrize("parts", [(0, 1, 2), (0, 2)])
+def test_slice_gradients_are_one_assemble_node_bit_for_bit(parts):
+    g = gl.Graph("qkv")
+    x = g.input("x", (3, 8, 12), "float64")
+    heads = [gl.reshape(x[j], (2, 4, 12)) for j in parts]
+    loss = gl.sum(gl.tanh(heads[0]) * heads[-1]) + gl.sum(heads[len(heads) // 2] * 0.5)
+    (gx,) = gl.grad(loss, [x])
+    feeds = {"x": np.random.default_rng(1).standard_normal((3, 8, 12))}
+    rw, got, want = both(g, [gx], SLICE_GRADIENTS, feeds)
+    ops = ops_of(rw.graph)
+    assert ops.count("slices_assemble") == 1 and "slice_backward" not in ops
+    node = next(n for n in rw.graph.nodes if n.op == "slices_assemble")
+    assert node.attrs["covered"] == (len(parts) == 3)
+    assert all(i.op != "reshape" for i in node.inputs)   # read through the private reshapes
+    assert got[0].tobytes() == want[0].tobytes()
+
+
+def test_overlapping_slice_gradients_stay_a_sum():
+    g = gl.Graph("overlap")
+    x = g.input("x", (6,), "float64")
+    loss = gl.sum(x[0:4] * x[2:6])
+    (gx,) = gl.grad(loss, [x])
+    assert "slices_assemble" not in ops_of(passes.rewrite(g, [gx], SLICE_GRADIENTS).graph)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_attention_softmax_folds_scale_and_mask_both_ways_bit_for_bit(dtype):
+    g = gl.Graph("att")
+    q = g.input("q", (2, 6, 4), dtype)
+    k = g.input("k", (2, 6, 4), dtype)
+    s = gl.softmax(gl.causal_mask((q @ gl.swapaxes(k, -1, -2)) * 0.5), -1)
+    loss = gl.sum(s * s)
+    gq, gk = gl.grad(loss, [q, k])
+    rng = np.random.default_rng(2)
+    feeds = {"q": rng.standard_normal((2, 6, 4)).astype(dtype), "k": rng.standard_normal((2, 6, 4)).astype(dtype)}
+    rw, got, want = both(g, [s, gq, gk], ATTENTION_SOFTMAX, feeds)
+    ops = ops_of(rw.graph)
+    assert ops.count("softmax_fused") == 1 and ops.count("softmax_backward_fused") == 1
+    assert "causal_mask" not in ops and "softmax" not in ops and "softmax_backward" not in ops
+    for a, b in zip(got, want):
+        assert a.tobytes() == b.tobytes()
+
+
+def test_a_masked_score_with_another_reader_is_not_folded():
+    g = gl.Graph("att2")
+    x = g.input("x", (4, 4))
+    m = gl.causal_mask(x * 0.5)
+    s = gl.softmax(m, -1)
+    rw = passes.rewrite(g, [s, m], ATTENTION_SOFTMAX)
+    fused = [n for n in rw.graph.nodes if n.op == "softmax_fused"]
+    # the mask is an output, so only the scale could fold, and it feeds the mask, not the softmax
+    assert fused == [] and ops_of(rw.graph).count("causal_mask") == 1
+
+
+def test_dropout_masks_are_one_tensor_per_stream_read_by_forward_and_backward():
+    g = gl.Graph("drop")
+    x = g.input("x", (4, 9), "float64")
+    key = g.input("key", (), "int64")
+    y = gl.dropout(gl.tanh(x), 0.4, key, stream=1) + gl.dropout(x, 0.4, key, stream=2)
+    (gx,) = gl.grad(gl.sum(y * y), [x])
+    feeds = {"x": np.random.default_rng(3).standard_normal((4, 9)), "key": np.asarray(11, np.int64)}
+    rw, got, want = both(g, [y, gx], DROPOUT_MASKS, feeds)
+    keeps = [n for n in rw.graph.nodes if n.op == "dropout_keep"]
+    applies = [n for n in rw.graph.nodes if n.op == "dropout_apply"]
+    assert len(keeps) == 2 and len(applies) == 4 and "dropout" not in ops_of(rw.graph)
+    assert sorted(a.inputs[1].id for a in applies) == sorted(2 * [k.id for k in keeps])
+    assert not keeps[0].is_backward   # drawn where the forward dropout was
+    for a, b in zip(got, want):
+        assert a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_a_tanh_gelu_keeps_its_sigmoid_as_a_tensor_float32_only(dtype):
+    g = gl.Graph("gelu")
+    x = g.input("x", (3, 7), dtype)
+    y = gl.gelu(gl.tanh(x))
+    (gx,) = gl.grad(gl.sum(y * y), [x])
+    feeds = {"x": (np.random.default_rng(5).standard_normal((3, 7)) * 3).astype(dtype)}
+    rw, got, want = both(g, [y, gx], KEPT_VALUES, feeds)
+    ops = ops_of(rw.graph)
+    if dtype == "float64":
+        assert "gelu_sigmoid" not in ops and "gelu" in ops
+        return
+    assert "gelu" not in ops and "gelu_backward" not in ops
+    (back,) = [n for n in rw.graph.nodes if n.op == "gelu_backward_sigmoid"]
+    s = back.inputs[2]
+    assert s.op == "gelu_sigmoid" and s.attrs["kept"] and not s.is_backward
+    assert any(n.op == "mul" and n.inputs[1] is s for n in rw.graph.nodes)   # gelu(x) = x * s
+    for a, b in zip(got, want):
+        assert a.tobytes() == b.tobytes()   # the same arithmetic in the same order
+    prog = executors.get("numpy").compile(g, [y, gx])
+    assert prog.kept_bytes() >= s.nbytes
+    assert prog.plan.entries[s.id].last > prog.plan.entries[s.id].first   # lives until the backward reads it
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_a_layer_norm_keeps_its_statistics_as_tensors(dtype):
+    g = gl.Graph("ln")
+    x = g.input("x", (4, 6), dtype)
+    w, b = g.param("w", (6,), dtype), g.param("b", (6,), dtype)
+    y = gl.layer_norm(gl.tanh(x), w, b)
+    loss = gl.sum(y * y)
+    gx, gw, gb = gl.grad(loss, [x, w, b])   # gw reads a plain layer_norm(x): the kept xhat
+    rng = np.random.default_rng(6)
+    feeds = {"x": rng.standard_normal((4, 6)).astype(dtype)}
+    state = {"w": rng.standard_normal(6).astype(dtype), "b": rng.standard_normal(6).astype(dtype)}
+    rw, got, want = both(g, [y, gx, gw, gb], KEPT_VALUES, feeds, state)
+    ops = ops_of(rw.graph)
+    assert ops.count("layer_norm_keep") == 1 and "layer_norm" not in ops and "layer_norm_backward" not in ops
+    (keep,) = [n for n in rw.graph.nodes if n.op == "layer_norm_keep"]
+    assert keep.attrs["keep_xhat"]
+    (back,) = [n for n in rw.graph.nodes if n.op == "layer_norm_backward_kept"]
+    xc, sv = back.inputs[:2]
+    assert xc.attrs["kept"] and sv.attrs["kept"] and sv.shape == (4, 1)
+    for a, b_ in zip(got, want):
+        assert a.tobytes() == b_.tobytes()
+    prog = executors.get("numpy").compile(g, [y, gx, gw, gb])
+    assert {prog.plan.entries[t.id].kind for t in (xc, sv)} == {"view"}   # parts of layer_norm_keep's buffer
+
+
+def test_the_numpy_pipeline_runs_on_reference_and_numpy_alike():
+    """A GPT training step after the numpy executor's pipeline: the reference executor runs the
+    rewritten graph, and the numpy executor's program compiled the same ops."""
+    from graphlm.models import GPT, GPTConfig
+    cfg = GPTConfig(vocab_size=11, context_length=8, channels=16, head_count=2, layer_count=1, dropout=0.1)
+    model = GPT(cfg)
+    model.train()
+    g, loss = model.loss_graph(2, name="pipe")
+    params = [g.params[k] for k in sorted(g.params)]
+    grads = gl.grad(loss, params)
+    rw = passes.run_pipeline(executors.get("numpy").pipeline, g, [loss, *grads])
+    made = {n.attrs.get("made_by") for n in rw.graph.nodes} - {None}
+    assert {"dropout_masks", "slice_gradients"} <= made
+    rng = np.random.default_rng(4)
+    feeds = {"tokens": rng.integers(0, 11, (2, 8)), "targets": rng.integers(0, 11, (2, 8)),
+             "dropout_key": np.asarray(5, np.int64)}
+    state = model.init(seed=1)
+    want = REF.compile(g, [loss, *grads]).run(feeds, state)
+    got = REF.compile(rw.graph, rw.outputs).run(feeds, state)
+    prog = executors.get("numpy").compile(g, [loss, *grads])
+    assert sorted(ops_of(prog.graph)) == sorted(ops_of(rw.graph))
+    exact = prog.rounds_like_reference
+    for a, b in zip(got, want):
+        if exact:
+            assert a.tobytes() == b.tobytes()
+        else:
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    # every source node the outputs need maps to a node of the rewritten graph
+    assert all(t.graph is rw.graph and t.id >= 0 for t in rw.replaced.values())
+
+
+def test_a_rule_that_changes_the_shape_is_refused():
+    g = gl.Graph("bad")
+    x = g.input("x", (3, 4))
+    y = gl.tanh(x)
+    wrong = passes.Pass("wrong", (passes.Rule("tanh to a sum", ("tanh",),
+                                              lambda n, ctx: ctx.emit("sum", (ctx.new(n.inputs[0]),), axes=(0,),
+                                                                      keepdims=False)),))
+    with pytest.raises(GraphError, match=r"pass wrong, rule tanh to a sum: replaced tanh .* by sum"):
+        passes.rewrite(g, [y], wrong)
+
+
+def test_unknown_pipeline_is_named():
+    g = gl.Graph("p")
+    x = g.input("x", (2,))
+    with pytest.raises(ValueError, match="unknown pass pipeline 'fast'; known: none, numpy"):
+        passes.run_pipeline("fast", g, [gl.tanh(x)])
+    rw = passes.run_pipeline("none", g, [x])
+    assert rw.graph is g and rw.passes == ()
+
+
+def test_executors_declare_their_pipeline():
+    assert executors.get("numpy").pipeline == "numpy" and executors.get("reference").pipeline == "none"
+    assert passes.PIPELINES["numpy"] == (MATMUL_SUM, SLICE_GRADIENTS, ATTENTION_SOFTMAX, DROPOUT_MASKS, KEPT_VALUES)
+
+
+def test_render_draws_the_graph_after_a_pipeline(tmp_path, capsys):
+    from graphlm.tools import cli
+    config = '{"preset": "tinylm", "layer_count": 1, "context_length": 16, "dropout": 0.1}'
+    before, after = tmp_path / "before.dot", tmp_path / "after.dot"
+    assert cli.main(["render", "--config", config, "--graph", "train", "--depth", "9", "--out", str(before)]) == 0
+    assert cli.main(["render", "--config", config, "--graph", "train", "--depth", "9", "--passes", "numpy",
+                     "--out", str(after)]) == 0
+    capsys.readouterr()
+    assert "dropout_keep" not in before.read_text() and "dropout_apply" not in before.read_text()
+    assert "dropout_keep" in after.read_text() and "dropout_apply" in after.read_text()
+    with pytest.raises(SystemExit):
+        cli.main(["render", "--config", config, "--passes", "fast", "--out", str(after)])
+    assert "invalid choice: 'fast'" in capsys.readouterr().err
