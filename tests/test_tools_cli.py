@@ -227,7 +227,7 @@ def test_missing_dot_through_the_console_entry_with_an_empty_path(tmp_path):
     (["render", "--config", SMALL, "--out", "/tmp/x.dot", "--depth", "-1"], "argument --depth: must be an integer >= 0, got -1"),
     (["train", "--config", '{"steps": 0}', "--out", "/tmp/graphlm-never-written"], "TrainOptions.steps must be an integer >= 1, got 0"),
     (["train", "--config", '{"stepz": 5}', "--out", "/tmp/graphlm-never-written"], "unknown GPTConfig field(s) stepz"),
-    (["generate", "--top-p", "1.5"], "top_p"),
+    (["generate", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
     (["generate", "--temperature", "-1"], "temperature"),
     (["generate", "--checkpoint", "/no/such.safetensors"], "--checkpoint: no such file '/no/such.safetensors'"),
     (["export", "/no/such.safetensors", "--to", "gguf", "/tmp/x.gguf"], "CHECKPOINT: no such file"),
