@@ -153,7 +153,7 @@ class TorchStep:
             m = self.ln(x, f"{pre}.mlp_norm")
             m = F.gelu(F.linear(m, p[f"{pre}.mlp_input.weight"], p[f"{pre}.mlp_input.bias"]), approximate="tanh")
             x = x + self.drop(F.linear(m, p[f"{pre}.mlp_output.weight"], p[f"{pre}.mlp_output.bias"]), masks)
-        logits = F.linear(self.ln(x, "final_norm"), p["language_model_head.weight"],
+        logits = F.linear(self.ln(x, "final_norm"), p.get("language_model_head.weight", p["token_embedding.weight"]),
                           p.get("language_model_head.bias"))
         return F.cross_entropy(logits.reshape(b * t, -1), targets.reshape(-1))
 

@@ -128,6 +128,14 @@ def test_train_then_generate_end_to_end(tmp_path, small_text, capsys):
     kinds = [json.loads(line)["kind"] for line in (out / "log.jsonl").read_text().splitlines()]
     assert kinds.count("train") == 8 and kinds.count("eval") == 2   # every step, every eval
     ckpt = out / "checkpoint.safetensors"
+    # the end of the run reports the whole validation split, not only its first --eval-batches
+    whole = [line for line in captured.out.splitlines() if line.startswith("validation loss on the whole split: ")]
+    assert len(whole) == 1
+    trained = Trainer(tiny_options(small_text, steps=8, lr=0.01, warmup=3, eval_every=4,
+                                   model={**TINY_MODEL, "dropout": 0.0}))
+    trained.load(ckpt)
+    assert float(whole[0].split()[6]) == pytest.approx(trained.evaluate(None), abs=1e-4)
+    assert trained.evaluate(None) != pytest.approx(trained.evaluate(), abs=1e-4)
     args = ["generate", "--checkpoint", str(ckpt), "--prompt", "ROMEO:", "--max-new-tokens", "40",
             "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--seed", "2"]
     assert cli_main(args) == 0

@@ -302,6 +302,12 @@ def _run_locked(args) -> int:
             bar.close()
         run_log.close()
     elapsed = time.perf_counter() - start
+    if o.eval_batches is not None and trainer.step == o.steps:
+        # the periodic evaluations read the split's first eval_batches batches; the end of a run
+        # reports the whole split (the figure docs/training.md compares recipes by)
+        t0 = time.perf_counter()
+        print(f"validation loss on the whole split: {trainer.evaluate(None):.4f} nats/byte "
+              f"({time.perf_counter() - t0:.1f} s)", flush=True)
     best = min(trainer.history, key=lambda h: h["val_loss"]) if trainer.history else None
     best_txt = f"best val loss {best['val_loss']:.4f} at step {best['step']}" if best else "no validation"
     print(f"done: {best_txt}; {trainer.step} of {o.steps} steps, {elapsed:.1f} s this session; "

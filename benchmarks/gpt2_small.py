@@ -1,0 +1,242 @@
+"""GPT-2 small (124M parameters, random init) on a CPU: graphlm vs PyTorch eager, with TinyLM beside it.
+
+Per framework and task, one subprocess (so each peak resident set, VmHWM, is its own; the
+graphlm child never imports torch), run alternately graphlm, torch, graphlm, torch ...:
+
+- ``decode``: KV-cache greedy decode at batch 1 after a 16-token prompt (`--new-tokens`, default
+  16), median ms per token; both children report their tokens, which must be the same.
+- ``train`` at each `--batches` (default 1 and 4), T = the model's context (1024): the full
+  training step (forward, mean cross-entropy, backward, global-norm clip 1.0, AdamW) with
+  dropout 0, one untimed step (graphlm compiles in it) then `--steps` timed ones back to back,
+  median ms per step. The first two losses of both (same weights, same batch) must agree
+  within 1e-3.
+
+The same tasks run for TinyLM (T = 128) in the same invocation, so the growth of the time per
+token from TinyLM to GPT-2 small is a same-run figure for each framework. PyTorch's attention is
+its fused ``F.scaled_dot_product_attention`` (the spelled-out form would keep 12 x [B, 12, 1024,
+1024] score tensors, several GB at batch 4); its decode reuses benchmarks/generate.py's model and
+its training step benchmarks/train_step.py's, with the same weights (graphlm's initialisation).
+
+    python benchmarks/gpt2_small.py [--threads 2] [--batches 1 4] [--steps 2] [--new-tokens 16]
+        [--models tinylm gpt2-small] [--json benchmarks/gpt2_small.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from graphlm.models import GPT, GPTConfig  # noqa: E402
+from graphlm.tools.params import flops_per_token  # noqa: E402
+
+FRAMEWORKS = ("graphlm", "torch")
+LOSS_TOLERANCE = 1e-3   # absolute, on losses near ln(50257) = 10.8 summed over 1024 positions
+
+
+def model_config(name: str) -> GPTConfig:
+    return GPTConfig.preset(name, dropout=0.0)
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+# == children: one framework, one task =================================================================
+
+def child_decode(framework: str, config: GPTConfig, new_tokens: int, threads: int) -> dict:
+    import generate as gen_bench   # benchmarks/generate.py: both decoders
+    prompt = [int(t) for t in np.random.default_rng(0).integers(32, 127, 16)]
+    if framework == "torch":
+        import torch
+        torch.set_num_threads(threads)
+        base = _rss_kib("VmRSS")
+        params = GPT(config).init(0)
+        tm = gen_bench.TorchGPT(config, params, torch)
+        tokens, times = gen_bench.torch_decode(tm, torch, prompt, new_tokens, True)
+    else:
+        from graphlm.executors import numpy_executor
+        numpy_executor.set_threads(threads)
+        base = _rss_kib("VmRSS")
+        model = GPT(config)
+        params = model.init(0)
+        tokens, times = gen_bench.graphlm_cached(model, params, prompt, new_tokens)
+    return {"tokens": tokens, "ms_per_token": round(statistics.median(times) * 1e3, 3),
+            "times_ms": [round(t * 1e3, 3) for t in times],
+            "baseline_rss_mib": round(base / 1024, 1), "peak_rss_mib": round(_rss_kib("VmHWM") / 1024, 1)}
+
+
+def child_train(framework: str, config: GPTConfig, batch: int, steps: int, threads: int) -> dict:
+    import train_step as ts_bench   # benchmarks/train_step.py: both training steps
+    x, y = ts_bench.batch_data(config, batch)
+    if framework == "torch":
+        import torch
+        torch.set_num_threads(threads)
+        base = _rss_kib("VmRSS")
+        params = GPT(config).init(0)
+        ts = ts_bench.TorchStep(config, params, torch, sdpa=True)
+        del params
+        xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+        step = lambda: ts.step(xt, yt)  # noqa: E731
+    else:
+        from graphlm.executors import numpy_executor
+        numpy_executor.set_threads(threads)
+        base = _rss_kib("VmRSS")
+        t0 = time.perf_counter()
+        gs = ts_bench.GraphlmStep(config, batch)
+        build_s = time.perf_counter() - t0
+        step = lambda: gs.step(x, y, 0)  # noqa: E731
+    losses, times = [], []
+    for i in range(1 + steps):
+        t0 = time.perf_counter()
+        losses.append(step())
+        if i:
+            times.append(time.perf_counter() - t0)
+    out = {"batch": batch, "losses": losses[:2], "ms_per_step": round(statistics.median(times) * 1e3, 1),
+           "times_ms": [round(t * 1e3, 1) for t in times],
+           "baseline_rss_mib": round(base / 1024, 1), "peak_rss_mib": round(_rss_kib("VmHWM") / 1024, 1)}
+    if framework == "graphlm":
+        out["build_s"] = round(build_s, 2)
+        out["arena_mib"] = round(gs.program.plan.arena_bytes / 2 ** 20, 1)
+    return out
+
+
+# == parent ============================================================================================
+
+def run_child(args, framework: str, model: str, task: str, batch: int = 1) -> dict:
+    cmd = [sys.executable, __file__, "--child", framework, "--task", task, "--models", model,
+           "--batches", str(batch), "--steps", str(args.steps), "--new-tokens", str(args.new_tokens),
+           "--threads", str(args.threads), "--executor", args.executor]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"gpt2_small: the {framework} {task} child for {model} failed:\n{r.stderr[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def measure_model(args, model: str) -> dict:
+    config = model_config(model)
+    t = config.context_length
+    out = {"config": config.to_dict(), "parameters": GPT(config).parameter_count(), "decode": {}, "train": []}
+    for fw in FRAMEWORKS:
+        out["decode"][fw] = run_child(args, fw, model, "decode")
+    d = out["decode"]
+    d["same_greedy_tokens"] = d["graphlm"]["tokens"] == d["torch"]["tokens"]
+    d["ratio_graphlm_over_torch"] = round(d["graphlm"]["ms_per_token"] / d["torch"]["ms_per_token"], 3)
+    flops = flops_per_token(config)["train_step"]
+    for b in args.batches:
+        row = {"batch": b, "tokens_per_step": b * t}
+        for fw in FRAMEWORKS:
+            row[fw] = r = run_child(args, fw, model, "train", b)
+            r["us_per_token"] = round(r["ms_per_step"] * 1e3 / (b * t), 2)
+            r["gflop_per_s"] = round(flops * b * t / (r["ms_per_step"] / 1e3) / 1e9, 1)
+        diff = max(abs(a - c) for a, c in zip(row["graphlm"]["losses"], row["torch"]["losses"]))
+        row["loss_max_abs_diff"] = diff
+        row["losses_agree"] = diff <= LOSS_TOLERANCE
+        row["ratio_graphlm_over_torch"] = round(row["graphlm"]["ms_per_step"] / row["torch"]["ms_per_step"], 3)
+        out["train"].append(row)
+    return out
+
+
+def growth(result: dict) -> dict:
+    """GPT-2 small over TinyLM, per framework: decode ms/token and training us/token per batch."""
+    small, big = result["models"].get("tinylm"), result["models"].get("gpt2-small")
+    if not (small and big):
+        return {}
+    out = {"train_flops_per_token": round(flops_per_token(model_config("gpt2-small"))["train_step"]
+                                          / flops_per_token(model_config("tinylm"))["train_step"], 1),
+           "decode": {fw: round(big["decode"][fw]["ms_per_token"] / small["decode"][fw]["ms_per_token"], 1)
+                      for fw in FRAMEWORKS}, "train": {}}
+    rows = {r["batch"]: r for r in small["train"]}
+    for r in big["train"]:
+        if r["batch"] in rows:
+            out["train"][str(r["batch"])] = {fw: round(r[fw]["us_per_token"] / rows[r["batch"]][fw]["us_per_token"], 1)
+                                            for fw in FRAMEWORKS}
+    return out
+
+
+def markdown(result: dict) -> str:
+    lines = [f"graphlm ({result['executor']} executor) vs torch eager (sdpa), {result['threads']} thread(s); "
+             "median ms; peak RSS (VmHWM) of each child in MiB", "",
+             "| model | task | graphlm | torch | graphlm / torch | peak MiB graphlm / torch | check |",
+             "|---|---|---|---|---|---|---|"]
+    for name, m in result["models"].items():
+        d = m["decode"]
+        lines.append(f"| {name} | KV decode ms/token | {d['graphlm']['ms_per_token']} | {d['torch']['ms_per_token']} "
+                     f"| {d['ratio_graphlm_over_torch']} | {d['graphlm']['peak_rss_mib']} / {d['torch']['peak_rss_mib']} "
+                     f"| same tokens: {d['same_greedy_tokens']} |")
+        for r in m["train"]:
+            lines.append(f"| {name} | train step b{r['batch']} ms (us/token) | {r['graphlm']['ms_per_step']} "
+                         f"({r['graphlm']['us_per_token']}) | {r['torch']['ms_per_step']} ({r['torch']['us_per_token']}) "
+                         f"| {r['ratio_graphlm_over_torch']} | {r['graphlm']['peak_rss_mib']} / {r['torch']['peak_rss_mib']} "
+                         f"| losses within {r['loss_max_abs_diff']:.1e}: {r['losses_agree']} |")
+    g = result.get("growth")
+    if g:
+        lines += ["", f"GPT-2 small / TinyLM (training FLOPs per token x{g['train_flops_per_token']}): decode ms/token "
+                  f"graphlm x{g['decode']['graphlm']}, torch x{g['decode']['torch']}; training time per token "
+                  + "; ".join(f"b{b}: graphlm x{v['graphlm']}, torch x{v['torch']}" for b, v in g["train"].items())]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=["tinylm", "gpt2-small"], choices=["tinylm", "gpt2-small"])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--steps", type=int, default=2, help="timed training steps per child (after one untimed)")
+    ap.add_argument("--new-tokens", type=int, default=16, help="decoded tokens per child")
+    ap.add_argument("--threads", type=int, default=2,
+                    help="graphlm executor threads (BLAS on one) and torch's intra-op threads")
+    ap.add_argument("--executor", choices=["native", "numpy"], default="native")
+    ap.add_argument("--json", default="benchmarks/gpt2_small.json", help="JSON output ('-': stdout)")
+    ap.add_argument("--child", choices=FRAMEWORKS, help=argparse.SUPPRESS)
+    ap.add_argument("--task", choices=["decode", "train"], help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    if args.child:
+        import train_step as ts_bench
+        ts_bench.EXECUTOR = args.executor
+        import generate as gen_bench
+        gen_bench.EXECUTOR = args.executor
+        config = model_config(args.models[0])
+        if args.task == "decode":
+            r = child_decode(args.child, config, args.new_tokens, args.threads)
+        else:
+            r = child_train(args.child, config, args.batches[0], args.steps, args.threads)
+        print(json.dumps(r))
+        return 0
+
+    import torch
+    result = {"benchmark": "gpt2_small", "executor": args.executor, "threads": args.threads,
+              "steps_timed": args.steps, "new_tokens": args.new_tokens,
+              "machine": {"python": platform.python_version(), "numpy": np.__version__, "torch": torch.__version__,
+                          "cpus": len(__import__("os").sched_getaffinity(0))},
+              "models": {m: measure_model(args, m) for m in args.models}}
+    result["growth"] = growth(result)
+    md = markdown(result)
+    print(md)
+    text = json.dumps(result, indent=2)
+    if args.json == "-":
+        print(text)
+    else:
+        Path(args.json).write_text(text + "\n")
+        print(f"wrote {args.json}")
+    ok = all(m["decode"]["same_greedy_tokens"] and all(r["losses_agree"] for r in m["train"])
+             for m in result["models"].values())
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
