@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -39,6 +40,9 @@ sys.path.insert(0, str(HERE))
 
 from graphlm.models import GPT, GPTConfig  # noqa: E402
 from graphlm.tools.params import flops_per_token  # noqa: E402
+import generate as gen_bench  # noqa: E402   benchmarks/generate.py: both decoders (no torch import)
+import train_step as ts_bench  # noqa: E402  benchmarks/train_step.py: both training steps
+from train_step import _rss_kib  # noqa: E402
 
 FRAMEWORKS = ("graphlm", "torch")
 LOSS_TOLERANCE = 1e-3   # absolute, on losses near ln(50257) = 10.8 summed over 1024 positions
@@ -48,18 +52,9 @@ def model_config(name: str) -> GPTConfig:
     return GPTConfig.preset(name, dropout=0.0)
 
 
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
-
-
 # == children: one framework, one task =================================================================
 
 def child_decode(framework: str, config: GPTConfig, new_tokens: int, threads: int) -> dict:
-    import generate as gen_bench   # benchmarks/generate.py: both decoders
     prompt = [int(t) for t in np.random.default_rng(0).integers(32, 127, 16)]
     if framework == "torch":
         import torch
@@ -81,7 +76,6 @@ def child_decode(framework: str, config: GPTConfig, new_tokens: int, threads: in
 
 
 def child_train(framework: str, config: GPTConfig, batch: int, steps: int, threads: int) -> dict:
-    import train_step as ts_bench   # benchmarks/train_step.py: both training steps
     x, y = ts_bench.batch_data(config, batch)
     if framework == "torch":
         import torch
@@ -206,10 +200,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     if args.child:
-        import train_step as ts_bench
-        ts_bench.EXECUTOR = args.executor
-        import generate as gen_bench
-        gen_bench.EXECUTOR = args.executor
+        ts_bench.EXECUTOR = gen_bench.EXECUTOR = args.executor
         config = model_config(args.models[0])
         if args.task == "decode":
             r = child_decode(args.child, config, args.new_tokens, args.threads)
@@ -222,17 +213,10 @@ def main(argv=None) -> int:
     result = {"benchmark": "gpt2_small", "executor": args.executor, "threads": args.threads,
               "steps_timed": args.steps, "new_tokens": args.new_tokens,
               "machine": {"python": platform.python_version(), "numpy": np.__version__, "torch": torch.__version__,
-                          "cpus": len(__import__("os").sched_getaffinity(0))},
+                          "cpus": len(os.sched_getaffinity(0))},
               "models": {m: measure_model(args, m) for m in args.models}}
     result["growth"] = growth(result)
-    md = markdown(result)
-    print(md)
-    text = json.dumps(result, indent=2)
-    if args.json == "-":
-        print(text)
-    else:
-        Path(args.json).write_text(text + "\n")
-        print(f"wrote {args.json}")
+    ts_bench.report(markdown(result), result, args.json)
     ok = all(m["decode"]["same_greedy_tokens"] and all(r["losses_agree"] for r in m["train"])
              for m in result["models"].values())
     return 0 if ok else 1

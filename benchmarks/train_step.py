@@ -375,6 +375,17 @@ def markdown(result: dict) -> str:
 
 
 
+def report(md: str, result: dict, json_path: str) -> None:
+    """Print the table; write the JSON to `json_path` ('-': print it too)."""
+    print(md)
+    text = json.dumps(result, indent=2)
+    if json_path == "-":
+        print(text)
+    else:
+        Path(json_path).write_text(text + "\n")
+        print(f"wrote {json_path}")
+
+
 def main(argv=None) -> int:
     global THREADS, EXECUTOR
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -432,13 +443,7 @@ def main(argv=None) -> int:
     if not args.no_memory:
         result["memory"] = {str(b): measure_memory(b, args.threads) for b in args.batches}
     md = markdown(result)
-    print(md)
-    text = json.dumps(result, indent=2)
-    if args.json == "-":
-        print(text)
-    else:
-        Path(args.json).write_text(text + "\n")
-        print(f"wrote {args.json}")
+    report(md, result, args.json)
     if args.markdown:
         Path(args.markdown).write_text(md + "\n")
     return 0 if check["ok"] else 1
