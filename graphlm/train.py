@@ -63,7 +63,7 @@ class TrainOptions:
     """Everything that decides a training run (saved in checkpoints, compared on resume)."""
 
     preset: str = "tinylm"
-    steps: int = 1800                 # total optimizer steps of the run
+    steps: int = 2500                 # total optimizer steps: ~6 minutes on 2 idle cores (docs/training.md)
     batch_size: int = 8               # small batches: more steps for the same tokens
     lr: float = 2e-3                  # peak learning rate
     min_lr_ratio: float = 0.1         # cosine decays to lr * min_lr_ratio
