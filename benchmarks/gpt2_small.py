@@ -124,22 +124,28 @@ def run_child(args, framework: str, model: str, task: str, batch: int = 1) -> di
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def measure_model(args, model: str) -> dict:
+def measure_model(args, model: str, out: dict, checkpoint) -> None:
+    """Fill `out` with the model's figures; `checkpoint()` after each child (a run stopped part
+    way keeps what it measured)."""
     config = model_config(model)
     t = config.context_length
-    out = {"config": config.to_dict(), "parameters": GPT(config).parameter_count(), "decode": {}, "train": []}
+    out.update({"config": config.to_dict(), "parameters": GPT(config).parameter_count(), "decode": {}, "train": []})
     for fw in FRAMEWORKS:
         out["decode"][fw] = run_child(args, fw, model, "decode")
+        checkpoint()
     d = out["decode"]
     d["same_greedy_tokens"] = d["graphlm"]["tokens"] == d["torch"]["tokens"]
     d["ratio_graphlm_over_torch"] = round(d["graphlm"]["ms_per_token"] / d["torch"]["ms_per_token"], 3)
     flops = flops_per_token(config)["train_step"]
     for b in args.batches:
         row = {"batch": b, "tokens_per_step": b * t}
+        out.setdefault("partial_train", []).append(row)
         for fw in FRAMEWORKS:
             row[fw] = r = run_child(args, fw, model, "train", b)
             r["us_per_token"] = round(r["ms_per_step"] * 1e3 / (b * t), 2)
             r["gflop_per_s"] = round(flops * b * t / (r["ms_per_step"] / 1e3) / 1e9, 1)
+            checkpoint()
+        out["partial_train"].pop()
         diff = max(abs(a - c) for a, c in zip(row["graphlm"]["losses"], row["torch"]["losses"]))
         row["loss_max_abs_diff"] = diff
         row["losses_agree"] = diff <= LOSS_TOLERANCE
@@ -148,7 +154,8 @@ def measure_model(args, model: str) -> dict:
             row["cpu_ratio_graphlm_over_torch"] = round(
                 row["graphlm"]["cpu_ms_per_step"] / row["torch"]["cpu_ms_per_step"], 3)
         out["train"].append(row)
-    return out
+        checkpoint()
+    out.pop("partial_train", None)
 
 
 def growth(result: dict) -> dict:
@@ -221,8 +228,16 @@ def main(argv=None) -> int:
               "steps_timed": args.steps, "new_tokens": args.new_tokens,
               "machine": {"python": platform.python_version(), "numpy": np.__version__, "torch": torch.__version__,
                           "cpus": len(os.sched_getaffinity(0))},
-              "models": {m: measure_model(args, m) for m in args.models}}
+              "models": {}}
+
+    def checkpoint():
+        if args.json != "-":
+            Path(args.json).write_text(json.dumps({**result, "complete": False}, indent=2) + "\n")
+
+    for m in args.models:
+        measure_model(args, m, result["models"].setdefault(m, {}), checkpoint)
     result["growth"] = growth(result)
+    result["complete"] = True
     ts_bench.report(markdown(result), result, args.json)
     ok = all(m["decode"]["same_greedy_tokens"] and all(r["losses_agree"] for r in m["train"])
              for m in result["models"].values())
