@@ -1,9 +1,17 @@
-"""Sampling speed at batch 1: graphlm (native or numpy executor) vs PyTorch eager, with and without a KV cache,
-on the same TinyLM weights; and graphlm's batched sampling (``--batch N``, `graphlm generate --num-samples N`)
+"""Sampling speed at batch 1: graphlm (native or numpy executor) vs PyTorch eager (and llama.cpp with
+``--llama``), with and without a KV cache, and the prefill of a 16- and a 128-token prompt, on the same
+TinyLM weights; and graphlm's batched sampling (``--batch N``, `graphlm generate --num-samples N`)
 against its batch 1. Prints a table and writes JSON (``--json PATH``, default stdout only).
 
     python benchmarks/generate.py [--checkpoint runs/tinylm/checkpoint.safetensors]
         [--prompt-length 16] [--new-tokens 100] [--threads 1] [--repeats 3] [--batch 8]
+        [--prefill-lengths 16 128] [--llama]
+
+``--llama`` exports the same weights with graphlm.io.export.export_gguf (llama.cpp's gpt2
+layout, float32) and times llama-cpp-python's one-token decode and prefill in the same turns;
+the model then has no LM-head bias (the gpt2 layout has none) for all frameworks. llama.cpp is
+no dependency of graphlm: build it as benchmarks/README.md says. Prefill: the best of
+PREFILL_BEST prefills per turn, median over the turns.
 
 Batched: "graphlm_kv_cache_batchN" is the decode step of N rows (tokens/s = N / step time);
 "sampling" times `Generator.generate_batch` at batch 1 and N step by step (temperature 0.8, top-k 40:
@@ -13,7 +21,7 @@ percentile: on a loaded machine most longer steps get preempted, which biases me
 the larger batch.
 
 Both frameworks decode greedily from the same prompt; the script checks that they choose the
-same tokens (so both do the same work) before it reports. "KV cache" is per-token decode after
+same tokens (so both do the same work) before it reports (exit 1 if any differs). "KV cache" is per-token decode after
 the prompt's prefill; "no cache" recomputes the forward over the whole sequence for each token
 (graphlm: one static program over a [1, T] window read at the last real position, which the
 causal mask makes exact; PyTorch: the growing sequence).
@@ -78,7 +86,7 @@ class TorchGPT:
             m = F.gelu(F.linear(m, p[f"{pre}.mlp_input.weight"], p[f"{pre}.mlp_input.bias"]), approximate="tanh")
             x = x + F.linear(m, p[f"{pre}.mlp_output.weight"], p[f"{pre}.mlp_output.bias"])
         x = self.ln(x[:, -1:], "final_norm")
-        return F.linear(x, p["language_model_head.weight"], p.get("language_model_head.bias"))[:, -1]
+        return F.linear(x, p.get("language_model_head.weight", p["token_embedding.weight"]), p.get("language_model_head.bias"))[:, -1]
 
 
 def torch_decode(tm, torch, prompt, n, cached: bool):
@@ -143,7 +151,73 @@ def graphlm_no_cache(model, params, prompt, n):
     return seq[len(prompt):], times
 
 
+def graphlm_prefill(model, params, prompt) -> float:
+    """Seconds of one prefill of `prompt` (its program compiled by an untimed prefill before)."""
+    gen = Generator(model, params, executor=EXECUTOR)
+    gen.prefill(np.asarray([prompt]))
+    t0 = clock()
+    gen.prefill(np.asarray([prompt]))
+    return clock() - t0
+
+
+def torch_prefill(tm, torch, prompt) -> float:
+    with torch.no_grad():
+        t0 = clock()
+        tm.forward(torch.tensor([prompt]), 0, [None] * tm.c.layer_count)
+        return clock() - t0
+
+
+# -- llama.cpp (llama-cpp-python), on the same weights through the GGUF exporter -------------------
+class LlamaCpp:
+    """The weights exported by graphlm.io.export.export_gguf, run by llama.cpp on `threads` threads;
+    greedy from graphlm's logits of the last evaluated token."""
+
+    def __init__(self, config: GPTConfig, params: dict, threads: int, path: Path):
+        from graphlm.io.export import export_gguf
+        import llama_cpp
+        self.lib, self.vocab = llama_cpp, config.vocab_size
+        export_gguf(config, params, path, overwrite=True)
+        self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=config.context_length, n_batch=512,
+                                   n_threads=threads, n_threads_batch=threads, verbose=False)
+
+    def logits(self) -> np.ndarray:
+        ptr = self.lib.llama_get_logits_ith(self.llm.ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(self.vocab,)).copy()
+
+    def prefill(self, prompt) -> float:
+        self.llm.reset()
+        t0 = clock()
+        self.llm.eval(list(prompt))
+        return clock() - t0
+
+    def decode(self, prompt, n):
+        seq = [int(t) for t in prompt]
+        self.prefill(seq)
+        times = []
+        for _ in range(n):
+            seq.append(int(np.argmax(self.logits())))
+            t0 = clock()
+            self.llm.eval([seq[-1]])
+            times.append(clock() - t0)
+        return seq[len(prompt):], times
+
+
+def llama_unavailable() -> str | None:
+    """Why --llama cannot run here (None: it can)."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return ("--llama needs llama-cpp-python (not a graphlm dependency); build it as "
+                "benchmarks/README.md says")
+    try:
+        from graphlm.io.export import export_gguf  # noqa: F401
+    except ImportError:
+        return "--llama needs graphlm's GGUF exporter (graphlm.io.export.export_gguf)"
+    return None
+
+
 EXECUTOR = "native"   # graphlm's executor (--executor)
+PREFILL_BEST = 5      # prefills per turn, the fastest kept: a slice of a loaded machine hides a 2 ms one
 
 
 def clock() -> float:
@@ -172,9 +246,18 @@ def main(argv=None) -> int:
                     help="time steps by the wall clock (default) or by the CPU time of the calling thread "
                          "(with --threads 1 only: everything then runs in that thread; on a loaded machine "
                          "it leaves out the time the process waits for a core)")
+    ap.add_argument("--llama", action="store_true",
+                    help="also llama.cpp (llama-cpp-python) on the same weights exported to GGUF; the "
+                         "model then has no LM-head bias (GGUF's gpt2 has none), for all three")
+    ap.add_argument("--prefill-lengths", type=int, nargs="*", default=[16, 128],
+                    help="prompt lengths whose one-shot prefill is timed (default 16 128)")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args(argv)
     EXECUTOR = args.executor
+    if args.llama and (why := llama_unavailable()):
+        ap.error(why)
+    if args.llama and args.clock == "cpu":
+        ap.error("--clock cpu cannot count llama.cpp's own threads; use the wall clock with --llama")
     if args.clock == "cpu" and args.threads != 1:
         ap.error("--clock cpu needs --threads 1 (the CPU time of other threads is not counted)")
     CLOCK = time.thread_time if args.clock == "cpu" else time.perf_counter
@@ -190,10 +273,15 @@ def main(argv=None) -> int:
         config = GPTConfig.from_dict(ck.config)
         model = GPT(config)
         params = {k: ck.tensors[k] for k in model.parameters()}
-    else:
-        config = GPTConfig.preset("tinylm")
+        if args.llama and config.lm_head_bias:
+            ap.error(f"--llama: {args.checkpoint} has an LM-head bias, which GGUF's gpt2 cannot hold; "
+                     "train with --preset tinylm-gpt2")
+    else:   # TinyLM's init; with --llama without the head bias (GGUF's gpt2 layout)
+        config = GPTConfig.preset("tinylm", lm_head_bias=not args.llama)
         model = GPT(config)
         params = model.init(0)
+    if max(args.prefill_lengths, default=0) > config.context_length:
+        ap.error(f"--prefill-lengths must be at most the context ({config.context_length})")
     if args.prompt_length + args.new_tokens > config.context_length:
         ap.error(f"prompt + new tokens must fit the context ({config.context_length})")
     prompt = list(np.random.default_rng(0).integers(32, 127, args.prompt_length))
@@ -205,6 +293,16 @@ def main(argv=None) -> int:
         "graphlm_no_cache": lambda: graphlm_no_cache(model, params, prompt, args.new_tokens),
         "torch_no_cache": lambda: torch_decode(tm, torch, prompt, args.new_tokens, False),
     }
+    long_prompt = list(np.random.default_rng(1).integers(32, 127, max(args.prefill_lengths, default=0)))
+    prefills = {"graphlm": lambda p: graphlm_prefill(model, params, p),
+                "torch": lambda p: torch_prefill(tm, torch, p)}
+    if args.llama:
+        import tempfile
+        tmp = tempfile.TemporaryDirectory()
+        llama = LlamaCpp(config, params, args.threads, Path(tmp.name) / "model.gguf")
+        variants["llama_cpp_kv_cache"] = lambda: llama.decode(prompt, args.new_tokens)
+        prefills["llama_cpp"] = llama.prefill
+        llama.prefill(long_prompt)   # llama.cpp's first call allocates its graph and buffers
     b = args.batch
     if b > 1:
         variants[f"graphlm_kv_cache_batch{b}"] = lambda: graphlm_cached(model, params, prompt, args.new_tokens, b)
@@ -220,6 +318,10 @@ def main(argv=None) -> int:
         for k, gen in gens.items():
             rows, steps = graphlm_sampling(gen, prompt, args.new_tokens)
             sampling[k].append((len(rows) / statistics.median(steps), len(rows) / np.percentile(steps, 10)))
+    prefill_s = {(who, n): [] for who in prefills for n in args.prefill_lengths}
+    for _ in range(args.repeats):   # per turn the best of PREFILL_BEST (a 16-token prefill is ~1-2 ms)
+        for (who, n), got in prefill_s.items():
+            got.append(min(prefills[who](long_prompt[:n]) for _ in range(PREFILL_BEST)))
     agree = {k: tokens[k] == tokens["torch_kv_cache"] for k in tokens}
     result = {"executor": EXECUTOR, "clock": args.clock, "config": config.to_dict(), "prompt_length": args.prompt_length,
               "new_tokens": args.new_tokens, "threads": args.threads, "repeats": args.repeats,
@@ -229,7 +331,16 @@ def main(argv=None) -> int:
         rows = b if name.endswith(f"_batch{b}") else 1
         result["variants"][name] = {"ms_per_token": round(ms, 3), "tokens_per_s": round(rows * 1e3 / ms, 1),
                                     "batch": rows}
+    result["prefill"] = {f"{who}_{n}": {"ms": round(statistics.median(t) * 1e3, 3),
+                                        "tokens_per_s": round(n / statistics.median(t), 1)}
+                         for (who, n), t in prefill_s.items()}
     v = result["variants"]
+    if args.llama:
+        result["graphlm_over_llama_cpp_ms_per_token"] = round(
+            v["graphlm_kv_cache"]["ms_per_token"] / v["llama_cpp_kv_cache"]["ms_per_token"], 3)
+        result["prefill_graphlm_over_llama_cpp_tokens_per_s"] = {
+            str(n): round(result["prefill"][f"graphlm_{n}"]["tokens_per_s"]
+                          / result["prefill"][f"llama_cpp_{n}"]["tokens_per_s"], 3) for n in args.prefill_lengths}
     if gens:
         rate = {k: statistics.median(r[0] for r in rs) for k, rs in sampling.items()}
         rate_fast = {k: statistics.median(r[1] for r in rs) for k, rs in sampling.items()}
@@ -253,6 +364,11 @@ def main(argv=None) -> int:
         print(f"{name:<20} {r['ms_per_token']:>9.3f} {r['tokens_per_s']:>9.1f}  {agree[name]}")
     print(f"graphlm / torch tokens/s: KV cache {result['speedup_kv_cache_vs_torch']}x, "
           f"no cache {result['speedup_no_cache_vs_torch']}x")
+    for name, r in result["prefill"].items():
+        print(f"prefill {name:<20} {r['ms']:>9.3f} ms {r['tokens_per_s']:>9.1f} tokens/s")
+    if args.llama:
+        print(f"graphlm / llama.cpp: decode ms/token {result['graphlm_over_llama_cpp_ms_per_token']}, prefill "
+              f"tokens/s {result['prefill_graphlm_over_llama_cpp_tokens_per_s']}")
     if gens:
         r = result["batched"]
         print(f"batch {b} vs 1, tokens/s: decode step {r['decode_tokens_per_s_vs_batch1']}x; sampling "
@@ -262,7 +378,7 @@ def main(argv=None) -> int:
     print(json.dumps(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-    return 0
+    return 0 if all(agree.values()) else 1
 
 
 if __name__ == "__main__":
