@@ -14,8 +14,9 @@ from .custom_kernels import register_kernel
 
 
 def get(name: str):
-    """The executor called `name`: "reference" (the oracle), "numpy" (planned memory) or "native"
-    (the numpy executor with its hot float32 kernels in C, compiled on first use)."""
+    """The executor called `name`: "reference" (the oracle), "numpy" (planned memory), "native"
+    (the numpy executor with its hot float32 kernels in C, compiled on first use) or "jax" (one
+    XLA program on CPU, GPU or TPU, over many devices and processes; needs the `jax` extra)."""
     return get_executor(name)
 
 
@@ -34,6 +35,11 @@ def _numpy():
     return NumpyExecutor()
 
 
+def _jax():
+    from .jax_executor import JaxExecutor
+    return JaxExecutor()
+
+
 def _native():
     from .native import NativeExecutor
     return NativeExecutor()
@@ -42,5 +48,6 @@ def _native():
 register_executor("reference", _reference)
 register_executor("numpy", _numpy)
 register_executor("native", _native)
+register_executor("jax", _jax)
 
 __all__ = ["get", "compile", "Program", "available_executors", "register_executor", "register_kernel"]
