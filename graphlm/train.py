@@ -79,6 +79,7 @@ class TrainOptions:
     eval_batches: int | None = 16     # validation batches per evaluation (None: the whole split)
     data: str | None = None           # a text file; None = the bundled tiny Shakespeare
     executor: str = "auto"            # "auto": native where a C compiler works, else numpy
+    devices: int | None = None        # data-parallel devices (jax executor; None: its default)
     # GPTConfig field overrides of the preset. Dropout is off by default: the default run sees
     # the corpus about once in its 15 minutes, so it underfits and dropout would only slow it.
     model: dict = field(default_factory=lambda: {"dropout": 0.0})
@@ -93,7 +94,8 @@ class TrainOptions:
 
         for name, low, optional in (("steps", 1, False), ("batch_size", 1, False), ("warmup", 0, False),
                                     ("decay_steps", 1, True), ("eval_every", 1, False),
-                                    ("eval_batches", 1, True), ("seed", -(1 << 63), False)):
+                                    ("eval_batches", 1, True), ("seed", -(1 << 63), False),
+                                    ("devices", 1, True)):
             v = getattr(self, name)
             if v is None and optional:
                 continue
@@ -253,8 +255,12 @@ class Trainer:
         if o.executor == "auto":   # the checkpoint records the executor that ran
             self.options = o = dataclasses.replace(o, executor=default_executor())
         executor = get_executor(o.executor)
+        compile_options = {} if o.devices is None else {"devices": o.devices}
+        if compile_options and not getattr(executor, "multi_device", False):
+            raise ValueError(f"devices={o.devices} needs an executor that runs on many devices "
+                             f"(jax), not {o.executor}")
         try:
-            self._compile(o, executor, t)
+            self._compile(o, executor, t, compile_options)
         except MemoryError:
             raise ValueError(f"out of memory compiling the training step (it needs at least "
                              f"{_gib(training_memory_bytes(config, o.batch_size)['total'])}); lower "
@@ -265,20 +271,24 @@ class Trainer:
         self.best_step: int | None = None
         self.saved_step: int | None = None   # the step of the last checkpoint written or loaded
 
-    def _compile(self, o: TrainOptions, executor, t: int) -> None:
-        """The train and eval programs, and the state (params + moments) they share."""
+    def _compile(self, o: TrainOptions, executor, t: int, compile_options: dict) -> None:
+        """The train and eval programs, and the state (params + moments) they share;
+        `compile_options` go to the executor (the jax executor's devices)."""
         # the training step: forward + loss + backward + clip + update, one program
         g, outputs, self.optimizer = train_step_graph(self.model, o)
         self.schedule = self.optimizer.lr
         self.train_graph = g
-        self.train_program = executor.compile(g, outputs)
+        self.train_program = executor.compile(g, outputs, **compile_options)
         self.uses_dropout = DROPOUT_KEY in g.inputs
 
         # evaluation: eval mode, loss only, reading the same params
         self.model.eval()
         ge = Graph("eval_step")
         et = ge.input("tokens", (o.batch_size, t), np.int64)
-        self.eval_program = executor.compile(ge, [self.model.loss(et, ge.input("targets", (o.batch_size, t), np.int64))])
+        self.eval_program = executor.compile(
+            ge, [self.model.loss(et, ge.input("targets", (o.batch_size, t), np.int64))], **compile_options)
+        # over several processes each feeds only its rows of every batch (None: all of them)
+        self.rows = getattr(self.train_program, "local_rows", None) or slice(None)
         self.model.train()
 
         self.state: dict[str, np.ndarray] = self.model.init(o.seed)
@@ -289,7 +299,7 @@ class Trainer:
         """Run optimizer step `self.step` (0-based) and advance."""
         start = time.perf_counter()
         s = self.step
-        x, y = self.sampler.batch(s)
+        x, y = self.sampler.batch(s, self.rows)
         feeds = {"tokens": x, "targets": y, **self.optimizer.feeds(s)}
         if self.uses_dropout:
             feeds[DROPOUT_KEY] = dropout_key(self.options.seed, s)
@@ -303,7 +313,8 @@ class Trainer:
         validation split (default: the options' eval_batches; None: all of it)."""
         if max_batches == -1:
             max_batches = self.options.eval_batches
-        losses = [float(self.eval_program.run({"tokens": x, "targets": y}, self.state)[0])
+        losses = [float(self.eval_program.run({"tokens": x[self.rows], "targets": y[self.rows]},
+                                              self.state)[0])
                   for x, y in data_mod.eval_batches(self.corpus.val, self.options.batch_size,
                                                     self.config.context_length, max_batches)]
         return float(np.mean(losses))
@@ -337,21 +348,39 @@ class Trainer:
     def params(self) -> dict[str, np.ndarray]:
         return {k: self.state[k] for k in self.model.parameters()}
 
+    def host_state(self, tensors: Mapping[str, Any] | None = None) -> dict[str, np.ndarray]:
+        """NumPy copies of `tensors` (default: the whole state), wherever the executor keeps
+        them (the jax executor: on its devices)."""
+        tensors = self.state if tensors is None else tensors
+        host = getattr(self.train_program, "host_state", None)
+        return host(tensors) if host else dict(tensors)
+
+    @property
+    def writes_checkpoints(self) -> bool:
+        """False on every process but process 0 of a multi-process run."""
+        return getattr(self.train_program, "is_primary", True)
+
     def generator(self, executor: str | None = None):
         from .sample import Generator
-        return Generator(self.model, self.params(), executor=executor or self.options.executor)
+        return Generator(self.model, self.host_state(self.params()),
+                         executor=executor or self.options.executor)
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:
         """Write the state to `path` atomically. A state holding NaN or inf is never written:
-        that raises `Diverged` and the file on disk stays as it was."""
+        that raises `Diverged` and the file on disk stays as it was. Over several processes every
+        process calls this (gathering sharded state is collective) and only process 0 writes."""
         o = self.options
-        if not all(np.isfinite(a).all() for a in self.state.values() if a.dtype.kind == "f"):
-            bad = next(k for k, a in self.state.items() if a.dtype.kind == "f" and not np.isfinite(a).all())
+        tensors = self.host_state()
+        if not all(np.isfinite(a).all() for a in tensors.values() if a.dtype.kind == "f"):
+            bad = next(k for k, a in tensors.items() if a.dtype.kind == "f" and not np.isfinite(a).all())
             raise Diverged(f"training diverged by step {self.step}: '{bad}' holds NaN or inf values; "
                            f"not saved, {path} keeps its previous contents")
+        if not self.writes_checkpoints:
+            self.saved_step = self.step
+            return Path(path)
         written = save_checkpoint(
-            path, self.state, step=self.step, config=self.config.to_dict(), options=o.to_dict(),
+            path, tensors, step=self.step, config=self.config.to_dict(), options=o.to_dict(),
             rng={"seed": o.seed, "init": "splitmix64(seed)",
                  "dropout": "counter-based, key = hash(seed, step)"},
             sampler={"seed": o.seed, "step": self.step, "batch_size": o.batch_size,
@@ -368,7 +397,7 @@ class Trainer:
         folder/BEST_NAME; returns {"last": path[, "best": path]}."""
         folder = Path(folder)
         out = {"last": self.save(folder / CHECKPOINT_NAME)}
-        if is_best:
+        if is_best and self.writes_checkpoints:
             out["best"] = copy_checkpoint(out["last"], folder / BEST_NAME)
         return out
 
@@ -408,7 +437,10 @@ class Trainer:
                                  "file, or --allow-other-data to continue on this one (validation "
                                  "losses before and after are then not comparable)")
             notes.append(f"continuing on other data: {what}")
-        load_checkpoint(path, self.state, config=self.config.to_dict(),   # (in place)
+        # (in place, into host arrays: state an executor moved onto its devices comes back first)
+        self.state.update({k: np.array(v) for k, v in self.host_state().items()
+                           if not isinstance(self.state[k], np.ndarray)})
+        load_checkpoint(path, self.state, config=self.config.to_dict(),
                         upgrade_config=GPTConfig.upgrade_dict, read=ckpt)
         self.step = self.saved_step = ckpt.step
         self.history = list(ckpt.extra.get("history", []))

@@ -39,7 +39,7 @@ _OPTION_FLAGS = {"preset": "preset", "steps": "steps", "batch_size": "batch_size
                  "warmup": "warmup", "decay_steps": "decay_steps", "min_lr_ratio": "min_lr_ratio",
                  "weight_decay": "weight_decay", "clip_norm": "clip_norm", "seed": "seed",
                  "eval_every": "eval_every", "eval_batches": "eval_batches", "data": "data",
-                 "executor": "executor"}
+                 "executor": "executor", "devices": "devices"}
 _MODEL_FLAGS = {"context_length": "context_length", "channels": "channels", "heads": "head_count",
                 "layers": "layer_count", "dropout": "dropout", "mlp_hidden": "mlp_hidden"}
 DEFAULTS = TrainOptions()
@@ -76,8 +76,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-batches", type=int,
                    help=f"validation batches per evaluation (default: {d.eval_batches})")
     p.add_argument("--data", help="train on this text file (default: bundled tiny Shakespeare)")
-    p.add_argument("--executor", help=f"native, numpy or reference (default: {d.executor}, the native "
+    p.add_argument("--executor", help=f"native, numpy, reference or jax (default: {d.executor}, the native "
                    "executor where a C compiler works, else numpy)")
+    j = p.add_argument_group("many devices and processes (--executor jax)")
+    j.add_argument("--devices", type=int, help="data-parallel devices (on a CPU, simulated ones; "
+                   "default 1, or every device of a multi-process run)")
+    j.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address, to join a "
+                   "multi-process run (with --num-processes and --process-id)")
+    j.add_argument("--num-processes", type=int, help="processes of the run")
+    j.add_argument("--process-id", type=int, help="this process's id, 0 to --num-processes - 1")
     g = p.add_argument_group("model overrides of the preset")
     g.add_argument("--context-length", type=int, help="tokens per sequence T (default: the preset's, 128)")
     g.add_argument("--channels", type=int, help="embedding width C, a multiple of --heads "
@@ -188,12 +195,21 @@ def _run_locked(args) -> int:
             explicit["model"] = {**DEFAULTS.model, **explicit["model"]}
         options = TrainOptions(**explicit)
 
+    processes = (args.coordinator, args.num_processes, args.process_id)
+    if options.devices is not None or any(v is not None for v in processes):
+        if options.executor != "jax":
+            raise ValueError("--devices, --coordinator, --num-processes and --process-id need "
+                             f"--executor jax (got {options.executor})")
+        from graphlm.executors.jax_executor.launch import configure
+        configure(options.devices, *processes)
     trainer = Trainer(options)
     if args.resume:
         for note in trainer.load(ckpt_path, allow_other_data=args.allow_other_data):
             print(f"warning: {note}", file=log)
         trainer.sync_best(out_dir)
     o, cfg = trainer.options, trainer.config
+    # over several processes only process 0 writes checkpoints
+    saved_to = f"checkpoint {ckpt_path}" if trainer.writes_checkpoints else "checkpoint written by process 0"
     tokens_per_step = o.batch_size * cfg.context_length
     print(f"graphlm train: {o.preset} ({trainer.model.parameter_count():,} params, T={cfg.context_length}, "
           f"C={cfg.channels}, H={cfg.head_count}, N={cfg.layer_count}, dropout={cfg.dropout}) on "
@@ -254,7 +270,7 @@ def _run_locked(args) -> int:
         if plotter is not None:
             plotter.refresh()
         msg = (f"step {trainer.step}/{o.steps}  val loss {val:.4f}  (best {trainer.best_val_loss:.4f})  "
-               f"checkpoint {ckpt_path}" + (f" (and {best_path.name})" if is_best else ""))
+               f"{saved_to}" + (f" (and {best_path.name})" if is_best and trainer.writes_checkpoints else ""))
         (bar.write(msg) if bar else print(msg, file=log, flush=True))
 
     try:
@@ -311,7 +327,7 @@ def _run_locked(args) -> int:
     best = min(trainer.history, key=lambda h: h["val_loss"]) if trainer.history else None
     best_txt = f"best val loss {best['val_loss']:.4f} at step {best['step']}" if best else "no validation"
     print(f"done: {best_txt}; {trainer.step} of {o.steps} steps, {elapsed:.1f} s this session; "
-          f"{_files_line(trainer, ckpt_path, best_path)}",
+          f"{_files_line(trainer, ckpt_path, best_path) if trainer.writes_checkpoints else saved_to}",
           flush=True)
     return 0
 

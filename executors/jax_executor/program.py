@@ -149,6 +149,11 @@ class JaxProgram(Program):
         return None if node is None else self.layout.local_rows(node.shape[0])
 
     @property
+    def is_primary(self) -> bool:
+        """Whether this process writes checkpoints (process 0)."""
+        return parallel.is_primary()
+
+    @property
     def devices(self) -> int:
         return self.layout.size
 
@@ -180,6 +185,7 @@ class JaxExecutor:
 
     name = "jax"
     kernels = Lowerable()
+    multi_device = True   # compile(..., devices=N) runs data parallel
 
     def compile(self, graph, outputs, **options) -> JaxProgram:
         return JaxProgram(graph, outputs, **options)
