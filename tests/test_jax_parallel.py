@@ -21,8 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytest.importorskip("jax")
-
+from tests.test_jax_executor import jax  # noqa: F401  (skips, or fails in CI, without JAX)
 from graphlm.io.checkpoint import read_checkpoint
 from tests.gradcheck import assert_close
 

@@ -20,6 +20,7 @@ the best) stops with status 1 without saving that state; both files stay good.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import sys
@@ -195,6 +196,8 @@ def _run_locked(args) -> int:
             explicit["model"] = {**DEFAULTS.model, **explicit["model"]}
         options = TrainOptions(**explicit)
 
+    if options.executor != "jax" and "devices" not in explicit:
+        options = dataclasses.replace(options, devices=None)   # a jax run resumed elsewhere
     processes = (args.coordinator, args.num_processes, args.process_id)
     if options.devices is not None or any(v is not None for v in processes):
         if options.executor != "jax":
