@@ -135,10 +135,10 @@ class BatchSampler:
             z = base + np.arange(1, self.batch_size + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
         return (mix64_array(z) % np.uint64(self.windows)).astype(np.int64)
 
-    def batch(self, step: int, rows: slice = slice(None)) -> tuple[np.ndarray, np.ndarray]:
+    def batch(self, step: int, part: slice = slice(None)) -> tuple[np.ndarray, np.ndarray]:
         """(inputs, targets), each [batch_size, context_length] int64; targets are inputs
-        shifted by one token. `rows` reads only those rows of the batch (one process's share)."""
-        rows = self.tokens[self.starts(step)[rows, None] + self._offsets].astype(TOKEN_DTYPE)
+        shifted by one token. `part` reads only those rows of the batch (one process's share)."""
+        rows = self.tokens[self.starts(step)[part, None] + self._offsets].astype(TOKEN_DTYPE)
         return rows[:, :-1], rows[:, 1:]
 
 

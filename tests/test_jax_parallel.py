@@ -207,3 +207,14 @@ def test_bad_flags_are_one_line_errors(tmp_path):
         done = subprocess.run(cmd + extra, capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT)
         assert done.returncode != 0 and message in done.stderr, done.stderr[-2000:]
         assert "Traceback" not in done.stderr
+
+
+def test_a_process_reads_just_its_rows_of_each_batch():
+    from graphlm.data import BatchSampler
+
+    sampler = BatchSampler(np.arange(500) % 256, batch_size=6, context_length=8, seed=3)
+    x, y = sampler.batch(5)
+    for part in (slice(0, 3), slice(3, 6), slice(2, 4)):
+        xp, yp = sampler.batch(5, part)
+        np.testing.assert_array_equal(xp, x[part])
+        np.testing.assert_array_equal(yp, y[part])
