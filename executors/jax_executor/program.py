@@ -21,23 +21,24 @@ import numpy as np
 from graphlm.ir import LEAF_OPS, Graph, fmt_shape
 from graphlm.registry import REGISTRY
 
-from ..base import ExecutionError, Program, _check_array
+from ..base import Program, _check_array, needed_nodes, normalize_outputs
 from . import parallel
-from .lowering import Lowerable, evaluate, plan
-from .rules import HOST_CHECKS
+from .lowering import evaluate
+from .rules import HOST_CHECKS, RULES
 
 
 class JaxProgram(Program):
     executor_name = "jax"
+    # against the reference: XLA's own exp/log/tanh and its reduction order
+    tolerances = {"float64": 1e-11, "float32": 2e-5}
 
     def __init__(self, graph: Graph, outputs, devices=None, mesh=None, batch_inputs=None,
                  shard_optimizer_state: bool = False):
-        super().__init__(graph, outputs, Lowerable())
-        self.decompositions = plan(self.nodes)
+        super().__init__(graph, outputs, RULES)   # ops without a rule: their decompositions
         self.layout = parallel.Layout(self, parallel.make_mesh(devices, mesh), batch_inputs,
                                       shard_optimizer_state)
         self.read_state = sorted(n for n in self.state_nodes if n not in self.written_state)
-        self.host_checks = self._host_checks()
+        self.host_checks = self._host_checks(outputs)
         self._laid_out: dict[str, jax.Array] = {}   # state arrays already checked and placed
         start = time.perf_counter()
         with jax.enable_x64(True):
@@ -53,7 +54,7 @@ class JaxProgram(Program):
             elif n.op in ("param", "state"):
                 env[n.id] = read[n.name] if n.name in read else written[n.name]
         writes: dict = {}
-        env = evaluate(self.nodes, env, self.decompositions, writes)
+        env = evaluate(self.nodes, env, writes)
         new = {name: writes.get(name, written[name]) for name in self.written_state}
         return tuple(env[o.id] for o in self.outputs), new
 
@@ -68,12 +69,13 @@ class JaxProgram(Program):
         fn = jax.jit(self._function, donate_argnums=(2,), out_shardings=out_shardings)
         return fn.lower(feeds, read, written)
 
-    def _host_checks(self):
+    def _host_checks(self, outputs):
         """(node, operand leaf, check) for each integer operand the reference range-checks: the
         operand's value is the fed (or state) value, through reshapes; computed operands are
-        not checked (none of graphlm's models computes its ids)."""
+        not checked (none of graphlm's models computes its ids). Taken from the caller's graph,
+        before decompositions, so the errors name the op the caller wrote."""
         out = []
-        for n in self.nodes:
+        for n in needed_nodes(normalize_outputs(self.source_graph, outputs)):
             for index, check in HOST_CHECKS.get(n.op, ()):
                 src = n.inputs[index]
                 while src.op == "reshape":
@@ -188,7 +190,7 @@ class JaxExecutor:
     shard_optimizer_state=False)``: see the package docstring."""
 
     name = "jax"
-    kernels = Lowerable()
+    kernels = RULES
     multi_device = True   # compile(..., devices=N) runs data parallel
 
     def compile(self, graph, outputs, **options) -> JaxProgram:
