@@ -1,4 +1,5 @@
-"""A program's nodes as one traced JAX function: each node through its rule (rules.py).
+"""A program's nodes as one traced JAX function: each node through its rule (rules.py; a custom
+op with only a NumPy kernel through a host callback).
 
 Ops without a rule never reach this file: `executors/base.Program` replaces them at compile by
 their registered decompositions (graphlm.rewrite.expand_decompositions, JAX's ``lower_fun``
@@ -12,7 +13,7 @@ from graphlm.ir import LEAF_OPS, Tensor, fmt_shape
 from graphlm.registry import REGISTRY
 
 from ..base import ExecutionError, node_where
-from .rules import RULES
+from .rules import lowering_rule
 
 
 def evaluate(nodes, env: dict[int, object], writes: dict[str, object]) -> dict[int, object]:
@@ -27,7 +28,7 @@ def evaluate(nodes, env: dict[int, object], writes: dict[str, object]) -> dict[i
         elif n.op in LEAF_OPS:
             raise ExecutionError(f"{node_where(n)} '{n.name}' has no value (an internal error)")
         else:
-            value = RULES[n.op](n, *(env[i.id] for i in n.inputs))
+            value = lowering_rule(n.op)(n, *(env[i.id] for i in n.inputs))
             if REGISTRY[n.op].updates_state:
                 value, new = value
                 for index, v in new.items():

@@ -24,7 +24,7 @@ from graphlm.registry import REGISTRY
 from ..base import Program, _check_array, needed_nodes, normalize_outputs
 from . import parallel
 from .lowering import evaluate
-from .rules import HOST_CHECKS, RULES
+from .rules import HOST_CHECKS, RULES, Lowerable
 
 
 class JaxProgram(Program):
@@ -34,7 +34,7 @@ class JaxProgram(Program):
 
     def __init__(self, graph: Graph, outputs, devices=None, mesh=None, batch_inputs=None,
                  shard_optimizer_state: bool = False):
-        super().__init__(graph, outputs, RULES)   # ops without a rule: their decompositions
+        super().__init__(graph, outputs, Lowerable())   # ops without a rule: their decompositions
         self.layout = parallel.Layout(self, parallel.make_mesh(devices, mesh), batch_inputs,
                                       shard_optimizer_state)
         self.read_state = sorted(n for n in self.state_nodes if n not in self.written_state)

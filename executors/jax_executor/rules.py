@@ -25,6 +25,9 @@ from jax import lax
 
 from graphlm.random import GOLDEN, MIX1, MIX2, MASK64, mix64
 
+from graphlm.registry import CUSTOM_OPS
+
+from .. import reference
 from ..base import ExecutionError, check_index_range, node_where
 
 RULES: dict[str, Callable] = {}
@@ -182,6 +185,35 @@ def sgd_update(node, lr, clip_coef, *arrays):
 def cache_write(node, cache, value, pos):
     new = lax.dynamic_update_slice_in_dim(cache, value, pos.astype(jnp.int64), node.attrs["axis"])
     return jnp.zeros((), jnp.float32), {0: new}
+
+
+# -- custom ops with only a NumPy kernel (graphlm.executors.register_kernel) ------------------------
+def host_kernel(op: str):
+    """The rule of a custom op whose kernel is a NumPy function: it runs on the host inside the
+    compiled program through `jax.pure_callback` (a device-to-host round trip per run; give the
+    op a decomposition, or use it off the hot path). None when `op` has no such kernel."""
+    if op not in CUSTOM_OPS or op not in reference.KERNELS:
+        return None
+    kernel = reference.KERNELS[op]
+
+    def rule(node, *operands):
+        out = jax.ShapeDtypeStruct(node.shape, node.dtype)
+        return jax.pure_callback(lambda *arrays: np.asarray(kernel(node, *(np.asarray(a) for a in arrays))),
+                                 out, *operands)
+    return rule
+
+
+def lowering_rule(op: str):
+    """The rule op `op` lowers with: its own, or a custom op's host kernel (None: neither)."""
+    return RULES.get(op) or host_kernel(op)
+
+
+class Lowerable:
+    """The ops with a rule (for executors/base.Program: every other op is expanded into its
+    decomposition at compile)."""
+
+    def __contains__(self, op: str) -> bool:
+        return lowering_rule(op) is not None
 
 
 # -- host-side checks on integer operands (the reference executor's ExecutionErrors) ---------------
