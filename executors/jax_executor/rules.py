@@ -127,6 +127,8 @@ def dropout_keep_scale(key, stream, shape, p, dtype):
 
 rule("dropout")(lambda node, x, key: x * dropout_keep_scale(key, node.attrs["stream"], x.shape,
                                                              node.attrs["p"], x.dtype))
+rule("dropout_keep")(lambda node, key: counter_uniform(key, node.attrs["stream"], node.shape)
+                     >= _c(node.attrs["p"], jnp.float32))
 rule("dropout_mask")(lambda node, key: dropout_keep_scale(key, node.attrs["stream"], node.shape,
                                                           node.attrs["p"], node.dtype))
 
