@@ -19,7 +19,7 @@ import numpy as np
 from graphlm.ir import Graph, fmt_shape
 
 from .folding import Repeat, name_repeats
-from .stats import module_levels, node_kind, shared_params
+from .stats import fmt_bytes, module_levels, node_kind, shared_params
 
 
 @dataclass
@@ -130,13 +130,6 @@ class ParamTable:
             out.append(f"* {name} is shared by {', '.join(m or '<root>' for m in modules)} "
                        "(tied; counted once)")
         return "\n".join(out)
-
-
-def fmt_bytes(n: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
 
 
 def parameter_table(source) -> ParamTable:

@@ -39,6 +39,7 @@ from graphlm.ir import Graph, Tensor, fmt_shape
 
 from .folding import Repeat, graph_repeats, is_scalar_const
 from .stats import KINDS, all_scopes, home_scope, module_levels, node_kind
+from .stats import fmt_bytes as _fmt_bytes
 
 FORMATS = ("svg", "png", "dot", "pdf")
 INSTALL_HINT = ("install Graphviz to draw it: apt-get install -y graphviz "
@@ -103,10 +104,8 @@ def short_dtype(dtype) -> str:
 
 
 def fmt_bytes(n: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"
+    """Byte counts on graph labels, one decimal (stats.fmt_bytes)."""
+    return _fmt_bytes(n, digits=1)
 
 
 _is_folded_const = is_scalar_const

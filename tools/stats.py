@@ -133,10 +133,11 @@ def graph_stats(graph: Graph) -> dict[str, Any]:
     }
 
 
-def _fmt_bytes(n: int) -> str:
+def fmt_bytes(n: int, digits: int = 2) -> str:
+    """A byte count in the largest binary unit it reaches: 1.50 MiB (the tools' one formatter)."""
     for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= size:
-            return f"{n / size:.2f} {unit}"
+            return f"{n / size:.{digits}f} {unit}"
     return f"{n} B"
 
 
@@ -153,7 +154,7 @@ def format_stats(stats: dict[str, Any], top: int | None = None) -> str:
         "nodes by kind:",
     ]
     for kind, count in stats["by_kind"].items():
-        lines.append(f"  {kind:<10} {count:>7,}  {_fmt_bytes(stats['bytes_by_kind'][kind]):>11}")
+        lines.append(f"  {kind:<10} {count:>7,}  {fmt_bytes(stats['bytes_by_kind'][kind]):>11}")
     ops = list(stats["by_op"].items())
     shown = ops if top is None else ops[:top]
     lines += ["", f"nodes by op ({len(ops)} ops):"]
