@@ -150,4 +150,4 @@ def test_attention_command_errors_are_one_line(capsys, checkpoint, argv, message
 def test_attention_command_names_a_missing_checkpoint(capsys, tmp_path):
     code = cli.main(["attention", "--checkpoint", str(tmp_path / "none.safetensors")])
     err = capsys.readouterr().err
-    assert code == 2 and f"--checkpoint {tmp_path / 'none.safetensors'}: no such file" in err
+    assert code == 2 and f"--checkpoint: no such file or run folder '{tmp_path / 'none.safetensors'}'" in err

@@ -234,3 +234,27 @@ def test_a_tiny_temperature_is_greedy_and_a_huge_one_still_text(checkpoint, caps
     huge, _ = sample_json(capsys, *base, "--temperature", "1e39")         # inf in float32: uniform
     tokens = huge["samples"][0]["tokens"]
     assert max(tokens) < 256 and len(set(tokens)) > 20
+
+
+def test_a_run_folder_means_its_best_checkpoint_then_its_last(checkpoint, tmp_path, capsys):
+    """--checkpoint FOLDER reads the folder's best.safetensors where there is one, else its
+    checkpoint.safetensors; a folder with neither is a one-line error naming it."""
+    import shutil
+    from graphlm.tools.cli import resolve_checkpoint
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    code, _, err = run(capsys, "--checkpoint", str(run_dir), "--max-new-tokens", "2")
+    assert code == 2 and f"--checkpoint: the folder '{run_dir}' holds neither best.safetensors" in err
+    assert "Traceback" not in err
+    shutil.copy(checkpoint, run_dir / "checkpoint.safetensors")
+    assert resolve_checkpoint(str(run_dir), "--checkpoint") == run_dir / "checkpoint.safetensors"
+    best = GPT(BYTE_CFG).init(2)   # other weights: a different greedy continuation
+    save_checkpoint(run_dir / "best.safetensors", best, step=1, config=BYTE_CFG.to_dict())
+    assert resolve_checkpoint(str(run_dir), "--checkpoint") == run_dir / "best.safetensors"
+    greedy = ("--prompt", "ROMEO:", "--max-new-tokens", "12", "--temperature", "0")
+    by_folder, _ = sample_json(capsys, "--checkpoint", str(run_dir), *greedy)
+    by_file, _ = sample_json(capsys, "--checkpoint", str(run_dir / "best.safetensors"), *greedy)
+    last, _ = sample_json(capsys, "--checkpoint", str(run_dir / "checkpoint.safetensors"), *greedy)
+    assert by_folder["source"] == str(run_dir / "best.safetensors")
+    assert by_folder["samples"] == by_file["samples"]
+    assert by_folder["samples"][0]["tokens"] != last["samples"][0]["tokens"]

@@ -229,7 +229,7 @@ def test_missing_dot_through_the_console_entry_with_an_empty_path(tmp_path):
     (["train", "--config", '{"stepz": 5}', "--out", "/tmp/graphlm-never-written"], "unknown GPTConfig field(s) stepz"),
     (["generate", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
     (["generate", "--temperature", "-1"], "temperature"),
-    (["generate", "--checkpoint", "/no/such.safetensors"], "--checkpoint: no such file '/no/such.safetensors'"),
+    (["generate", "--checkpoint", "/no/such.safetensors"], "--checkpoint: no such file or run folder '/no/such.safetensors'"),
     (["export", "/no/such.safetensors", "--to", "gguf", "/tmp/x.gguf"], "CHECKPOINT: no such file"),
     (["export", "/no/such.safetensors", "--to", "onnx", "/tmp/x"], "--to: unknown format 'onnx'"),
     (["params", "--bogus"], "unrecognized arguments: --bogus (see 'graphlm params --help')"),

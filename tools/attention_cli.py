@@ -1,6 +1,6 @@
 """`graphlm attention`: the attention probabilities of every layer and head for a prompt.
 
-    graphlm attention --checkpoint runs/tinylm/checkpoint.safetensors \\
+    graphlm attention --checkpoint runs/tinylm \\
         --prompt "ROMEO: The cat sat on the" --out attn.png --top 3
 
 Runs the checkpoint's model once over the prompt's bytes with every attention layer's
@@ -19,12 +19,13 @@ from graphlm.models import GPT
 
 from .attention import (PICTURE_FORMATS, attention_maps, format_top, token_labels, top_attended,
                         write_attention_picture)
-from .cli import CLIError, _check_out
+from .cli import CLIError, _check_out, resolve_checkpoint
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", default="runs/tinylm/checkpoint.safetensors",
-                   help="a checkpoint written by `graphlm train` (default: %(default)s)")
+    p.add_argument("--checkpoint", default=None,
+                   help="a checkpoint file, or a run folder of `graphlm train`: its best.safetensors, "
+                        "else its checkpoint.safetensors (default: runs/tinylm)")
     p.add_argument("--prompt", default="ROMEO: The cat sat on the",
                    help="the text to look at, at most the model's context length in bytes "
                         "(default: %(default)r)")
@@ -45,9 +46,8 @@ def run(args) -> int:
     _check_out(args.out)
     if args.top < 1:
         raise CLIError(f"--top must be at least 1, got {args.top}")
-    if not Path(args.checkpoint).is_file():
-        raise CLIError(f"--checkpoint {args.checkpoint}: no such file (train one with `graphlm train`)")
-    model, params = GPT.from_checkpoint(args.checkpoint)
+    checkpoint = resolve_checkpoint(args.checkpoint, "--checkpoint")
+    model, params = GPT.from_checkpoint(checkpoint)
     config = model.config
     tokens = data.encode(args.prompt)
     if tokens.size == 0:
@@ -64,7 +64,7 @@ def run(args) -> int:
     try:
         write_attention_picture(maps, labels, out, title=(
             f"attention probabilities for {args.prompt!r}: {config.layer_count} layers x "
-            f"{config.head_count} heads of {args.checkpoint}"))
+            f"{config.head_count} heads of {checkpoint}"))
     except RuntimeError as e:   # matplotlib is missing
         raise CLIError(str(e), code=1) from None
     heads = sum(p.shape[0] for p in maps.values())

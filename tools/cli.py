@@ -6,7 +6,7 @@
     graphlm stats --preset tinylm --graph train
     graphlm train --config '{"layer_count": 2, "steps": 300}'
     graphlm plot runs/tinylm
-    graphlm export runs/tinylm/checkpoint.safetensors --to gguf tinylm.gguf
+    graphlm export runs/tinylm --to gguf tinylm.gguf
 
 A model comes from ``--preset NAME`` (default tinylm) and ``--config FILE|JSON`` on top of it (a
 file, or the JSON text itself: GPTConfig fields, and for train its training options; it may
@@ -194,21 +194,29 @@ def check_out(path: str | None) -> Path | None:
 _check_out = check_out      # the old name (tools/attention_cli.py imports it)
 
 
-def require_file(path: str, what: str, default: str | None = None) -> Path:
-    """`path` if it is a file, else a one-line CLIError naming `what` (a flag or argument); when
-    the path is the command's default, the hint says where that default points and why it may be
-    missing (another folder, no run yet)."""
-    p = Path(path)
+DEFAULT_RUN = "runs/tinylm"   # `graphlm train`'s default --out
+
+
+def resolve_checkpoint(path: str | None, what: str) -> Path:
+    """The checkpoint file a command reads: `path` itself when it is a file; for a run folder
+    (and for no path: the default run folder) its best.safetensors (the lowest validation loss)
+    where there is one, else its checkpoint.safetensors (the last state). Anything else is a
+    one-line CLIError naming `what` and the path."""
+    from graphlm.train import BEST_NAME, CHECKPOINT_NAME
+    p = Path(path if path is not None else DEFAULT_RUN)
     if p.is_file():
         return p
     if p.is_dir():
-        raise CLIError(f"{what}: '{path}' is a directory, not a file")
+        for name in (BEST_NAME, CHECKPOINT_NAME):
+            if (p / name).is_file():
+                return p / name
+        raise CLIError(f"{what}: the folder '{p}' holds neither {BEST_NAME} nor {CHECKPOINT_NAME}")
     hint = ""
-    if default is not None and path == default:
-        hint = (f" (the default, relative to the current folder {Path.cwd()}: run 'graphlm train' "
-                f"here first, or give the path of a run's checkpoint, e.g. {what} "
-                "/path/to/run/checkpoint.safetensors)")
-    raise CLIError(f"{what}: no such file '{path}'{hint}")
+    if path is None:
+        hint = (f" (the default run folder, relative to the current folder {Path.cwd()}: run "
+                f"'graphlm train' here first, or give a run folder or checkpoint file, e.g. {what} "
+                "/path/to/run)")
+    raise CLIError(f"{what}: no such file or run folder '{p}'{hint}")
 
 
 # -- subcommands ------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """`graphlm export`: write a training checkpoint as a Hugging Face GPT-2 folder or a GGUF file.
 
-    graphlm export runs/tinylm/checkpoint.safetensors --to hf out/tinylm-hf
-    graphlm export runs/tinylm/checkpoint.safetensors --to gguf tinylm.gguf
+    graphlm export runs/tinylm --to hf out/tinylm-hf
+    graphlm export runs/tinylm --to gguf tinylm.gguf
 
 `--to hf DIR` writes DIR/config.json and DIR/model.safetensors, which transformers'
 GPT2LMHeadModel.from_pretrained(DIR) loads (and, for the byte vocabulary, vocab.json and
@@ -18,12 +18,12 @@ from pathlib import Path
 from graphlm.io.export import TARGETS, export_gguf, export_hf
 from graphlm.models import GPT
 
-DEFAULT_CHECKPOINT = "runs/tinylm/checkpoint.safetensors"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", metavar="CHECKPOINT",
-                   help="a checkpoint written by 'graphlm train' (e.g. " + DEFAULT_CHECKPOINT + ")")
+                   help="a checkpoint file, or a run folder of 'graphlm train' (e.g. runs/tinylm): "
+                        "its best.safetensors, else its checkpoint.safetensors")
     p.add_argument("--to", nargs=2, metavar=("FORMAT", "DEST"), required=True,
                    help="'hf DIR': a Hugging Face GPT-2 folder (config.json + model.safetensors); "
                         "'gguf FILE': a GGUF file for llama.cpp (required)")
@@ -40,12 +40,12 @@ def read_checkpoint_step(path) -> int | None:
 
 
 def run(args) -> int:
-    from .cli import CLIError, require_file
+    from .cli import CLIError, resolve_checkpoint
 
     target, dest = args.to
     if target not in TARGETS:
         raise CLIError(f"--to: unknown format '{target}'; give one of {', '.join(TARGETS)}")
-    path = require_file(args.checkpoint, "CHECKPOINT", DEFAULT_CHECKPOINT)
+    path = resolve_checkpoint(args.checkpoint, "CHECKPOINT")
     model, params = GPT.from_checkpoint(path)      # (validated, naming the file)
     config = model.config
     step = read_checkpoint_step(path)

@@ -1,6 +1,6 @@
 """`graphlm generate`: sample text from a training checkpoint or a Hugging Face GPT-2 directory.
 
-    graphlm generate --checkpoint runs/tinylm/checkpoint.safetensors --prompt "ROMEO:" \\
+    graphlm generate --checkpoint runs/tinylm --prompt "ROMEO:" \\
         --max-new-tokens 300 --temperature 0.8 --top-k 40 --top-p 0.95 --seed 1
     graphlm generate --hf-dir gpt2/ --prompt-file prompt.txt --repetition-penalty 1.3 \\
         --stop "\\n\\n" --num-samples 4 --json
@@ -30,14 +30,14 @@ from graphlm.tokenizer import ByteTokenizer, HFTokenizer
 
 from .train_cli import default_threads, use_threads
 
-DEFAULT_CHECKPOINT = "runs/tinylm/checkpoint.safetensors"
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", "0": "\0"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--checkpoint", default=None,
-                     help=f"a checkpoint written by `graphlm train` (default: {DEFAULT_CHECKPOINT})")
+                     help="a checkpoint file, or a run folder of `graphlm train`: its best.safetensors "
+                          "(lowest validation loss), else its checkpoint.safetensors (default: runs/tinylm)")
     src.add_argument("--hf-dir", default=None, metavar="DIR",
                      help="a Hugging Face GPT-2 directory (config.json, model.safetensors and "
                           "tokenizer.json or vocab.json + merges.txt) instead of a checkpoint")
@@ -112,8 +112,8 @@ def load_model(args):
         tokenizer = HFTokenizer.from_dir(args.hf_dir)
         eos = _eos_token_id(args.hf_dir, config.vocab_size)
         return GPT(config), params, tokenizer, ([eos] if eos is not None else []), args.hf_dir
-    from .cli import require_file
-    path = str(require_file(args.checkpoint or DEFAULT_CHECKPOINT, "--checkpoint", DEFAULT_CHECKPOINT))
+    from .cli import resolve_checkpoint
+    path = str(resolve_checkpoint(args.checkpoint, "--checkpoint"))
     model, params = GPT.from_checkpoint(path)   # (validated, naming the file)
     return model, params, ByteTokenizer(), [], path
 
