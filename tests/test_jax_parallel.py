@@ -219,3 +219,50 @@ def test_a_process_reads_just_its_rows_of_each_batch():
         xp, yp = sampler.batch(5, part)
         np.testing.assert_array_equal(xp, x[part])
         np.testing.assert_array_equal(yp, y[part])
+
+
+BAD_INPUT_IN_ONE_PROCESS = """
+    import sys
+    import numpy as np
+    from graphlm import executors
+    from graphlm.executors.jax_executor import parallel
+    from graphlm.ir import Graph
+    from graphlm import ops
+
+    port, pid = sys.argv[1], int(sys.argv[2])
+    parallel.initialize(f"127.0.0.1:{port}", 2, pid)
+    g = Graph("bad_input")
+    table = g.param("table", (5, 3))
+    tokens = g.input("tokens", (2, 4), np.int64)
+    out = ops.sum(ops.embedding(table, tokens))
+    prog = executors.get("jax").compile(g, [out])
+    state = {"table": np.ones((5, 3), np.float32)}
+    good = np.full((1, 4), pid, np.int64)            # this process's row of the batch
+    print("first", float(prog.run({"tokens": good}, state)[0]), flush=True)
+    bad = good.copy()
+    if pid == 1:
+        bad[0, 2] = 7                                 # out of the table's 5 rows
+    try:
+        prog.run({"tokens": bad}, state)
+    except ValueError as e:
+        print("error:", e, flush=True)
+        sys.exit(2)
+    print("ran", flush=True)
+"""
+
+
+def test_bad_input_in_one_process_stops_every_process_with_one_line_each():
+    """Process 1 feeds a token id out of range: it stops with the executor's error naming the
+    op and the id, and process 0 stops too, naming process 1, instead of waiting forever in the
+    program's collective."""
+    port = free_port()
+    code = textwrap.dedent(BAD_INPUT_IN_ONE_PROCESS)
+    env = {**os.environ, "XLA_FLAGS": ""}
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(port), str(i)], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in (0, 1)]
+    outs = [p.communicate(timeout=TIMEOUT) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 2, (out, err[-2000:])
+        assert "first 24.0" in out and "ran" not in out.splitlines()
+    assert "token id 7" in outs[1][0] and "embedding" in outs[1][0], outs[1][0]
+    assert "process 1 refused its inputs" in outs[0][0], outs[0][0]

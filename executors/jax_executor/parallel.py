@@ -20,6 +20,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from graphlm.ir import fmt_shape
 
+from ..base import ExecutionError
+
 DATA = "data"
 # the update ops whose written `state` inputs are optimizer moments (what ZeRO-1 shards)
 OPTIMIZER_UPDATES = ("adamw_update", "sgd_update")
@@ -33,6 +35,23 @@ def initialize(coordinator: str, num_processes: int, process_id: int) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")   # only the CPU client reads it
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
                                process_id=process_id)
+
+
+def raise_if_any_process_failed(error: Exception | None) -> None:
+    """In a multi-process run, every process calls this with its own check's error (None when
+    its inputs passed) before the program runs: if any process failed, every process raises
+    (the failing ones their own error, the others one naming the failing processes), so no
+    process is left waiting in a collective for one that gave up. One small all-gather."""
+    from jax.experimental import multihost_utils
+
+    failed = multihost_utils.process_allgather(np.int32(error is not None))
+    bad = [int(p) for p in np.flatnonzero(np.asarray(failed).reshape(-1))]
+    if error is not None:
+        raise error
+    if bad:
+        names = ", ".join(str(p) for p in bad)
+        raise ExecutionError(f"process {names} refused its inputs (its error says why), so process "
+                             f"{jax.process_index()} stops too, before running the program")
 
 
 def make_mesh(devices=None, mesh: Mesh | None = None) -> Mesh:

@@ -86,13 +86,21 @@ class JaxProgram(Program):
 
     # -- running --------------------------------------------------------------------------------
     def run(self, feeds=None, state=None, to_host: bool = True) -> list:
-        feeds = self._check_feeds(feeds)
-        state = self._check_state(state)
-        for node, leaf, check in self.host_checks:
-            value = feeds[leaf.name] if leaf.op == "input" else state[leaf.name]
-            host = np.asarray(value) if not isinstance(value, jax.Array) else parallel.to_host(value)
-            check(node, host.reshape(leaf.shape) if leaf.op != "input" else host)
         lay = self.layout
+        try:
+            feeds = self._check_feeds(feeds)
+            state = self._check_state(state)
+            for node, leaf, check in self.host_checks:
+                value = feeds[leaf.name] if leaf.op == "input" else state[leaf.name]
+                host = np.asarray(value) if not isinstance(value, jax.Array) else parallel.to_host(value)
+                check(node, host.reshape(leaf.shape) if leaf.op != "input" else host)
+            error = None
+        except (ValueError, TypeError) as e:   # ExecutionError is a ValueError
+            if not lay.multi_process:
+                raise
+            error = e
+        if lay.multi_process:   # no process may wait in a collective for one that stopped
+            parallel.raise_if_any_process_failed(error)
         with jax.enable_x64(True):
             args = {n: lay.put_feed(n, v, self.input_nodes[n].shape) for n, v in feeds.items()}
             read = {n: state[n] for n in self.read_state}
