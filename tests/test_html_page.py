@@ -63,9 +63,10 @@ def test_page_data_has_kinds_partners_sections_and_repeats():
     # the tanh of layers.1 has backward nodes whose partner it is
     tanh1 = next(n for n in g.nodes if n.op == "tanh" and n.scope == "layers.1")
     assert any(d["partner"] == tanh1.id for d in data["nodes"])
-    # the first layer's backward differs (no gradient for the input x), and the last's (its
-    # cotangent is not a sum): the middle three fold
-    assert [r["label"] for r in data["repeats"]] == ["layers.1-3 x3"]
+    # the first layer's backward differs (no gradient for the input x); the sum of the two
+    # cotangents of the last layer's output (h * h reads it twice) lives at the root, where it
+    # is read: the other four fold
+    assert [r["label"] for r in data["repeats"]] == ["layers.1-4 x4"]
 
 
 def test_made_by_names_a_graph_pass_and_fused_ops_say_so():
@@ -178,7 +179,7 @@ def test_small_graph_page_folds_expands_and_has_no_plan_panel(browser, tmp_path)
     assert "node-0" in ids                          # the input
     clusters = page.eval_on_selector_all("#graph g.cluster", "els => els.map(e => e.id)")
     assert "cluster-layers.1" in clusters and "cluster-layers.2" not in clusters
-    assert "layers.1-3 x3" in page.text_content('[id="cluster-layers.1"]')
+    assert "layers.1-4 x4" in page.text_content('[id="cluster-layers.1"]')
     assert page.locator("#plan-panel").count() == 0
     w2 = g.params["layers.2.weight"].id
     assert f"node-{w2}" not in ids                  # folded into layers.1's twin
@@ -195,29 +196,29 @@ def test_training_graph_opens_folded_with_modules_as_boxes(train):
     ids = drawn_ids(page)
     assert page.evaluate("window.graphlmPage.items") == len(ids)
     assert "module-blocks.0.attention" in ids and "module-blocks.1.attention" not in ids
-    assert "module-blocks.3.attention" in ids       # the last block differs: drawn on its own
+    assert "module-blocks.3.attention" not in ids   # all four blocks fold, the last one too
     label = page.text_content('[id="cluster-blocks.0"]')
-    assert "blocks.0-2 x3" in label
+    assert "blocks.0-3 x4" in label
     assert page.locator("#arena rect.block").count() > 100
     assert errors == []
 
 
 def test_expand_and_collapse_a_block_in_place(train):
     g, plan, page, errors = train
-    qkv3 = g.params["blocks.3.attention.qkv_weight"].id
-    assert f"node-{qkv3}" not in drawn_ids(page)
+    qkv0 = g.params["blocks.0.attention.qkv_weight"].id
+    assert f"node-{qkv0}" not in drawn_ids(page)
     before = renders(page)
-    click(page, '[id="module-blocks.3.attention"]')
+    click(page, '[id="module-blocks.0.attention"]')
     wait_render(page, before)
     ids = drawn_ids(page)
-    assert f"node-{qkv3}" in ids and "module-blocks.3.attention" not in ids
-    inside = [n for n in g.nodes if n.scope.startswith("blocks.3.attention") and n.op != "const"]
+    assert f"node-{qkv0}" in ids and "module-blocks.0.attention" not in ids
+    inside = [n for n in g.nodes if n.scope.startswith("blocks.0.attention") and n.op != "const"]
     assert sum(f"node-{n.id}" in ids for n in inside) > 20
     before = renders(page)
-    click(page, '[id="cluster-blocks.3.attention"] text')      # its label: collapse again
+    click(page, '[id="cluster-blocks.0.attention"] text')      # its label: collapse again
     wait_render(page, before)
-    assert "module-blocks.3.attention" in drawn_ids(page)
-    assert f"node-{qkv3}" not in drawn_ids(page)
+    assert "module-blocks.0.attention" in drawn_ids(page)
+    assert f"node-{qkv0}" not in drawn_ids(page)
 
 
 def test_search_reveals_and_click_shows_details(train):

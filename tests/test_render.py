@@ -12,7 +12,7 @@ import pytest
 
 import graphlm as gl
 from graphlm.tools import render as R
-from graphlm.tools.stats import module_levels, node_kind
+from graphlm.tools.stats import graph_homes, module_levels, node_kind
 
 HAVE_DOT = shutil.which("dot") is not None
 needs_dot = pytest.mark.skipif(not HAVE_DOT, reason="Graphviz dot is not installed")
@@ -165,14 +165,15 @@ def test_depth_collapses_deeper_modules_into_counted_boxes():
     stmts = node_statements(dot)
     boxes = {attr(s, "tooltip"): attr(s, "label") for k, s in stmts.items() if k.startswith("m")}
     assert set(boxes) == {"blocks.0.attention", "blocks.0.mlp", "blocks.1.attention", "blocks.1.mlp"}
+    homes = graph_homes(g)      # a sum of cotangents lives where its forward node is read
     for path, label in boxes.items():
-        members = [n for n in g.nodes if n.scope == path or n.scope.startswith(path + ".")]
+        members = [n for n in g.nodes if homes[n.id] == path or homes[n.id].startswith(path + ".")]
         params = sum(n.size for n in members if n.op == "param")
         assert f"{len(members)} nodes" in label, (path, label)
         assert f"{params:,} parameters" in label, (path, label)
     # no node of a collapsed module is drawn on its own
     drawn = {int(k[1:]) for k in stmts if re.fullmatch(r"n\d+", k)}
-    assert all(len(module_levels(g.nodes[i].scope)) <= 1 for i in drawn)
+    assert all(len(module_levels(homes[i])) <= 1 for i in drawn)
     dot0 = R.to_dot(g, depth=0)
     assert clusters(dot0) == []
     assert {attr(s, "tooltip") for k, s in node_statements(dot0).items() if k.startswith("m")} == \
@@ -184,7 +185,8 @@ def test_scope_draws_only_that_module_with_outside_inputs_as_stubs():
     dot = R.to_dot(g, scope="blocks.1")
     stmts = node_statements(dot)
     drawn = {int(k[1:]) for k in stmts if re.fullmatch(r"n\d+", k)}
-    want = {n.id for n in g.nodes if n.scope == "blocks.1" or n.scope.startswith("blocks.1.")
+    homes = graph_homes(g)
+    want = {n.id for n in g.nodes if homes[n.id] == "blocks.1" or homes[n.id].startswith("blocks.1.")
             if not (n.op == "const" and n.shape == ())}
     assert drawn == want
     assert [lab for _, lab in clusters(dot)][0] == "blocks.1"
@@ -352,8 +354,56 @@ def test_folding_draws_identical_blocks_once_and_keeps_the_edges_in_and_out():
     assert folded.items == len([k for k in node_statements(folded.source) if k != "legend"])
 
 
+def small_gpt(differing_block: int | None = None):
+    """A 4-block GPT; `differing_block` gets RMSNorm instead of LayerNorm."""
+    from graphlm import nn
+    from graphlm.models import GPT, GPTConfig
+
+    c = GPTConfig(vocab_size=32, context_length=8, channels=16, head_count=2, layer_count=4)
+    model = GPT(c)
+    if differing_block is not None:
+        blocks = list(model.blocks)
+        blocks[differing_block] = nn.DecoderBlock(c.channels, c.head_count, c.dropout,
+                                                  c.layer_norm_epsilon, "rmsnorm", c.mlp,
+                                                  c.gelu_approximate, c.attention_bias, c.mlp_bias,
+                                                  c.mlp_hidden)
+        model.blocks = nn.ModuleList(blocks)
+    return model
+
+
+def train_graph(model, batch=2):
+    from graphlm.train import TrainOptions, train_step_graph
+
+    return train_step_graph(model, TrainOptions(batch_size=batch, steps=10, warmup=1))
+
+
+def test_every_block_of_a_training_graph_folds_and_a_different_one_does_not():
+    """The last block's output is read once (by the final norm), the others' twice (the next
+    block's norm and residual): the sum of those cotangents lives in the reading block, so all
+    four blocks have the same structure, in the graph as built and as the executor planned it."""
+    from graphlm.tools.folding import graph_repeats
+
+    g, outputs, _ = train_graph(small_gpt())
+    assert [r.label for r in graph_repeats(g)] == ["blocks.0-3 x4"]
+    executors = pytest.importorskip("graphlm.executors")
+    planned = executors.get("numpy").compile(g, outputs).graph
+    assert planned is not g and [r.label for r in graph_repeats(planned)] == ["blocks.0-3 x4"]
+    # block 2 with another norm: 0-1 fold, 2 and 3 stand alone, in the picture too
+    g2, _, _ = train_graph(small_gpt(differing_block=2))
+    assert [r.label for r in graph_repeats(g2)] == ["blocks.0-1 x2"]
+    labels = [lab for _, lab in clusters(R.to_dot(g2, depth=1))]
+    assert "blocks.0-1 x2 (one drawn; counts per block)" in labels
+    assert "blocks.2" in labels and "blocks.3" in labels
+    # the sums that moved are exactly the residual fan-outs: inside the block that reads them
+    homes = graph_homes(g)
+    moved = [n for n in g.nodes if homes[n.id] != n.scope and n.op == "add" and n.is_backward]
+    assert moved and all(homes[n.id] == next(r.scope for r in g.nodes if not r.is_backward
+                                              and g.forward_partner[n] in r.inputs
+                                              and r.op == "add") for n in moved)
+
+
 def test_different_blocks_do_not_fold():
-    g, _, _ = nested_graph()       # the last block's backward differs (no residual cotangent sum)
+    g, _, _ = nested_graph()       # block 1 reads its input once, block 0 twice (residual)
     assert R.draw(g).folded == []
     from graphlm.tools.folding import graph_repeats
     g2 = gl.Graph("two")

@@ -21,7 +21,7 @@ from typing import Hashable, Iterable, Sequence
 
 from graphlm.ir import Graph
 
-from .stats import all_scopes, home_scope, module_levels, node_kind
+from .stats import all_scopes, graph_homes, module_levels, node_kind
 
 _MEMBER = re.compile(r"^(.*)\.(\d+)$")
 
@@ -104,7 +104,7 @@ def graph_repeats(graph: Graph) -> list[Repeat]:
     """Runs of identical sibling modules of `graph`, outermost first (a repeat inside a
     repeated block is not reported: folding the outer one already shows it once)."""
     scopes = all_scopes(graph)
-    homes = {n.id: home_scope(n, scopes) for n in graph.nodes}
+    homes = graph_homes(graph)
     by_module: dict[str, list] = defaultdict(list)
     for n in graph.nodes:
         if _shared_leaf(n):

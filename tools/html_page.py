@@ -27,7 +27,7 @@ from graphlm.registry import REGISTRY
 from .folding import graph_repeats, is_scalar_const
 from .render import (CLUSTER_FILLS, FANIN_GROUP_ABOVE, LEAF_SHAPE, STYLE, RenderError, _attr_text,
                      _const_text, check_writable, fmt_bytes, node_label, write_atomic)
-from .stats import all_scopes, home_scope, module_levels, node_kind
+from .stats import all_scopes, graph_homes, module_levels, node_kind
 
 ASSETS = Path(__file__).with_name("page_assets")
 VENDOR_GRAPHVIZ = ASSETS / "vendor" / "hpcc-js-wasm-graphviz" / "index.js"
@@ -77,7 +77,7 @@ def page_data(graph: Graph, plan=None, title: str | None = None) -> dict[str, An
     if not isinstance(graph, Graph):
         raise RenderError(f"page: expected a graphlm.Graph, got {type(graph).__name__}")
     scopes = all_scopes(graph)
-    homes = {n.id: home_scope(n, scopes) for n in graph.nodes}
+    homes = graph_homes(graph)
     consumers: dict[int, list[Tensor]] = defaultdict(list)
     for n in graph.nodes:
         for i in n.inputs:

@@ -38,7 +38,7 @@ import graphviz
 from graphlm.ir import Graph, Tensor, fmt_shape
 
 from .folding import Repeat, graph_repeats, is_scalar_const
-from .stats import KINDS, all_scopes, home_scope, module_levels, node_kind
+from .stats import KINDS, all_scopes, graph_homes, module_levels, node_kind
 from .stats import fmt_bytes as _fmt_bytes
 
 FORMATS = ("svg", "png", "dot", "pdf")
@@ -294,7 +294,7 @@ def draw(graph: Graph, depth: int | str | None = None, scope: str | None = None,
                               f"(top-level modules: {', '.join(top) or 'none'})")
         base_levels = module_levels(scope)
 
-    homes = {n.id: home_scope(n, scopes) for n in graph.nodes}
+    homes = graph_homes(graph)
 
     def inside(node: Tensor) -> bool:
         h = homes[node.id]

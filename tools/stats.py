@@ -73,6 +73,61 @@ def home_scope(node: Tensor, scopes: set[str] | None = None) -> str:
     return ""
 
 
+def is_cotangent_sum(node: Tensor) -> bool:
+    """A backward ``add`` the differentiation pass made to total the cotangents of a forward
+    node X with several consumers (autodiff's `_total` chain): its partner is X, its inputs are
+    distinct, and each is either a term made by another node's VJP (a consumer of X's) or an
+    earlier sum of X's terms. X's own VJP rule cannot make such an add: the only backward
+    tensor it reads from elsewhere is the one cotangent it is given."""
+    if node.op != "add" or not node.is_backward or len({i.id for i in node.inputs}) < 2:
+        return False
+    partner = node.graph.forward_partner
+    x = partner.get(node)
+    if x is None:
+        return False
+    for i in node.inputs:
+        c = partner.get(i)
+        if c is None:
+            return False
+        if c is x and not is_cotangent_sum(i):
+            return False
+    return True
+
+
+def _common_module(scopes) -> str:
+    """The deepest module path every scope of `scopes` lies in ("" for the root)."""
+    levels = [module_levels(s) for s in scopes]
+    common = ""
+    for at_level in zip(*levels):
+        if any(p != at_level[0] for p in at_level):
+            break
+        common = at_level[0]
+    return common
+
+
+def graph_homes(graph: Graph) -> dict[int, str]:
+    """Node id -> the module it is drawn in (`home_scope`), except that a sum of cotangents
+    (`is_cotangent_sum`) of X lives where X is read: the deepest module holding X's forward
+    readers. The pass scopes it under X, but the fan-out it undoes belongs to the readers: a
+    block's input read by its norm and its residual add is summed inside that block, so every
+    block of a stack holds one such sum (the last block's output, read once, has none) and
+    identical blocks stay identical."""
+    scopes = all_scopes(graph)
+    homes = {n.id: home_scope(n, scopes) for n in graph.nodes}
+    readers: dict[int, list[int]] = {}
+    for n in graph.nodes:
+        if not n.is_backward:
+            for i in n.inputs:
+                readers.setdefault(i.id, []).append(n.id)
+    partner = graph.forward_partner
+    for n in graph.nodes:
+        if is_cotangent_sum(n):
+            where = [homes[r] for r in readers.get(partner[n].id, ())]
+            if where:
+                homes[n.id] = _common_module(where)
+    return homes
+
+
 def param_users(graph: Graph) -> dict[str, set[str]]:
     """Parameter name -> the top-level modules whose forward nodes read it."""
     users: dict[str, set[str]] = {name: set() for name in graph.params}
@@ -166,5 +221,6 @@ def format_stats(stats: dict[str, Any], top: int | None = None) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["KINDS", "node_kind", "module_levels", "all_scopes", "home_scope", "param_users",
+__all__ = ["KINDS", "node_kind", "module_levels", "all_scopes", "home_scope", "graph_homes",
+           "is_cotangent_sum", "param_users",
            "shared_params", "graph_stats", "format_stats"]

@@ -160,6 +160,10 @@ def rewrite(graph: Graph, outputs: Sequence[Tensor], pass_: Pass) -> Rewritten:
             t = ctx._new[owner]
         if t.id >= 0:
             replaced[n.id] = t
+    for back, fwd in graph.forward_partner.items():   # which forward node's VJP made each node
+        made = ctx._new.get(back.id)
+        if made is not None and made.id >= 0 and fwd.id in replaced:
+            new_graph.forward_partner.setdefault(made, replaced[fwd.id])
     return Rewritten(new_graph, new_outputs, replaced, (pass_.name,))
 
 
