@@ -147,10 +147,19 @@ def clusters(dot: str) -> list[str]:
 
 def test_full_depth_draws_every_module_as_nested_clusters():
     g, _, _ = nested_graph()
-    dot = R.to_dot(g)
+    modules = ["blocks.0", "blocks.0.attention", "blocks.0.mlp", "blocks.1", "blocks.1.attention",
+               "blocks.1.mlp"]
+    dot = R.to_dot(g, phases=False)
     labels = [lab for _, lab in clusters(dot)]
-    assert sorted(labels) == sorted(["blocks.0", "blocks.0.attention", "blocks.0.mlp",
-                                     "blocks.1", "blocks.1.attention", "blocks.1.mlp"])
+    assert sorted(labels) == sorted(modules)
+    # by default (the graph has backward nodes) each module's backward nodes have a cluster of
+    # their own, nested the same way, with only backward nodes in it
+    phased = R.to_dot(g)
+    assert sorted(lab for _, lab in clusters(phased)) == sorted(modules + [f"{m} (backward)" for m in modules])
+    body = phased[phased.index('label="blocks.1.mlp (backward)"'):]
+    body = body[:body.index("}")]
+    ids = [int(i) for i in re.findall(r"^\s*n(\d+) \[", body, re.M)]
+    assert ids and all(g.nodes[i].is_backward for i in ids)
     # blocks.0.attention is opened inside blocks.0 and closed before blocks.0 closes
     start0 = dot.index('label="blocks.0"')
     inner = dot.index('label="blocks.0.attention"')
@@ -160,7 +169,7 @@ def test_full_depth_draws_every_module_as_nested_clusters():
 
 def test_depth_collapses_deeper_modules_into_counted_boxes():
     g, _, _ = nested_graph()
-    dot = R.to_dot(g, depth=1)
+    dot = R.to_dot(g, depth=1, phases=False)
     assert sorted(lab for _, lab in clusters(dot)) == ["blocks.0", "blocks.1"]
     stmts = node_statements(dot)
     boxes = {attr(s, "tooltip"): attr(s, "label") for k, s in stmts.items() if k.startswith("m")}
@@ -174,10 +183,43 @@ def test_depth_collapses_deeper_modules_into_counted_boxes():
     # no node of a collapsed module is drawn on its own
     drawn = {int(k[1:]) for k in stmts if re.fullmatch(r"n\d+", k)}
     assert all(len(module_levels(homes[i])) <= 1 for i in drawn)
-    dot0 = R.to_dot(g, depth=0)
+    dot0 = R.to_dot(g, depth=0, phases=False)
     assert clusters(dot0) == []
     assert {attr(s, "tooltip") for k, s in node_statements(dot0).items() if k.startswith("m")} == \
         {"blocks.0", "blocks.1"}
+
+
+def test_phases_split_collapsed_modules_and_lay_the_backward_pass_out_upwards():
+    """With backward nodes, a collapsed module is a forward box (its params counted there) and a
+    backward box; cotangent edges between backward items are emitted reversed with dir=back,
+    so `dot` ranks each backward item below its forward partner and the pass climbs back up."""
+    g, _, _ = nested_graph()
+    homes = graph_homes(g)
+    dot = R.to_dot(g, depth=1)
+    stmts = node_statements(dot)
+    boxes = {attr(s, "tooltip"): attr(s, "label") for k, s in stmts.items() if k.startswith("m")}
+    assert set(boxes) == {f"blocks.{i}.{m}{p}" for i in (0, 1) for m in ("attention", "mlp")
+                          for p in ("", " (backward)")}
+    for path in ("blocks.0.mlp", "blocks.1.attention"):
+        members = [n for n in g.nodes if homes[n.id] == path]
+        back = sum(n.is_backward for n in members)
+        assert f"{len(members) - back} nodes" in boxes[path] and "parameters" in boxes[path]
+        assert f"{back} nodes: {back} backward" in boxes[path + " (backward)"]
+    box_id = {attr(s, "tooltip"): k for k, s in stmts.items() if k.startswith("m")}
+    # blocks.1.mlp's backward feeds blocks.1.attention's backward: drawn from the latter, back
+    a, b = box_id["blocks.1.attention (backward)"], box_id["blocks.1.mlp (backward)"]
+    assert re.search(rf"^\s*{a} -> {b} \[[^\]]*dir=back", dot, re.M)
+    assert not re.search(rf"^\s*{b} -> {a}\b", dot, re.M)
+    # forward -> backward (saved activations) and forward -> forward keep their direction
+    f = box_id["blocks.1.attention"]
+    assert re.search(rf"^\s*{f} -> {a}\b", dot, re.M)
+    assert "dir=back" not in re.search(rf"^\s*{box_id['blocks.0.mlp']} -> {f}\b.*$", dot, re.M).group(0)
+    # the picture has the backward boxes below their forward ones, the pass climbing back
+    if HAVE_DOT:
+        layout = json.loads(R.dot_to(dot, "json"))
+        y = {o["name"]: float(o["pos"].split(",")[1]) for o in layout["objects"] if "pos" in o}
+        assert y[box_id["blocks.1.attention (backward)"]] > y[box_id["blocks.1.mlp (backward)"]]
+        assert y[box_id["blocks.0.attention (backward)"]] > y[box_id["blocks.1.attention (backward)"]]
 
 
 def test_scope_draws_only_that_module_with_outside_inputs_as_stubs():
@@ -252,7 +294,7 @@ def test_render_writes_svg_png_and_dot(tmp_path):
     svg = R.render(g, tmp_path / "g.svg", depth=1)
     root = ET.parse(svg).getroot()
     titles = [c.find(f"{SVG}title").text for c in root.iter(f"{SVG}g") if c.get("class") == "cluster"]
-    assert len(titles) == 2
+    assert len(titles) == 4           # blocks.0 and blocks.1, forward and backward
     png = R.render(g, tmp_path / "g.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     dot = R.render(g, tmp_path / "g.gv")
@@ -428,3 +470,48 @@ def test_big_pictures_warn_and_auto_depth_stays_readable():
     auto = R.draw(g, depth="auto", fold=False)
     assert auto.items <= R.READABLE_ITEMS and auto.warning is None
     assert R.draw(g, depth=auto.depth + 1, fold=False).items > R.READABLE_ITEMS
+
+
+def test_gradients_into_the_optimizer_are_one_bundle():
+    """Every gradient goes to the optimizer's global norm and its update: drawn as one edge per
+    source box into a junction that counts them, and one edge out to each optimizer node."""
+    g, _, _ = train_graph(small_gpt())
+    grads = [n for n in g.nodes if n.op == "global_norm"][0].inputs
+    for depth in (0, 1):
+        d = R.draw(g, depth=depth)
+        stmts = node_statements(d.source)
+        assert f"{len(grads)} gradients" in attr(stmts["j_grad"], "label")
+        assert f"{sum(t.size for t in grads):,} elements" in attr(stmts["j_grad"], "label")
+        ins = re.findall(r"^\s*(\w+) -> j_grad\b", d.source, re.M)
+        outs = re.findall(r"^\s*j_grad -> (\w+)", d.source, re.M)
+        assert len(ins) == len(set(ins)) > 1 and outs
+        opt = {k for k, s in stmts.items() if k.startswith("m") and "optimizer" in attr(s, "tooltip")
+               or k[1:].isdigit() and graph_homes(g)[int(k[1:])] == "optimizer"}
+        assert set(outs) <= opt
+        # no backward item reaches an optimizer item but through the junction
+        for a, b in re.findall(r"^\s*(\w+) -> (\w+)", d.source, re.M):
+            if b in opt and a != "j_grad":
+                assert "backward" not in (attr(stmts.get(a, ""), "tooltip") or ""), (a, b)
+        assert d.items == len([k for k in stmts if k != "legend"])
+    # collapsed, the update box also reads every parameter: a second bundle
+    d0 = R.draw(g, depth=0)
+    assert f"{len(g.params)} parameters" in attr(node_statements(d0.source)["j_param"], "label")
+
+
+@needs_dot
+def test_auto_depth_lays_out_and_keeps_the_picture_readable(tmp_path):
+    g, _, _ = train_graph(small_gpt())
+    auto = R.render_drawing(g, tmp_path / "auto.png", depth="auto")
+    assert auto.size is not None and max(auto.size) <= R.READABLE_PX and auto.warning is None
+    assert auto.size == R.picture_size((tmp_path / "auto.png").read_bytes(), "png")
+    assert isinstance(auto.depth, int)
+    # one level deeper does not fit (that is why auto stopped where it did)
+    deeper = R.render_drawing(g, tmp_path / "deeper.svg", depth=auto.depth + 1)
+    assert max(deeper.size) > R.READABLE_PX
+    assert f"{deeper.size[0]:,}x{deeper.size[1]:,} px" in deeper.warning
+    assert f"--depth {auto.depth}" in deeper.warning and "--scope blocks.0" in deeper.warning
+    # a block at full depth does not read either; its suggestion does
+    block = R.render_drawing(g, tmp_path / "b.svg", scope="blocks.1")
+    assert block.warning and "--scope blocks.1.attention" in block.warning
+    part = R.render_drawing(g, tmp_path / "a.svg", scope="blocks.1.attention")
+    assert part.warning is None and max(part.size) <= R.READABLE_PX

@@ -321,10 +321,11 @@ def cmd_render(args) -> int:
               + (", with the memory plan" if plan is not None else "")
               + f", in {time.perf_counter() - start:.1f} s; open it in a browser")
         return 0
-    # the training graph reads at depth 1 (each sub-module one box) unless told otherwise
+    # a training graph (forward, backward, optimizer) is drawn at the deepest depth that reads
+    # at screen size unless told otherwise
     depth = args.depth
-    if depth is None and args.graph == "train" and not args.scope:
-        depth = 1
+    if depth is None and args.graph == "train":
+        depth = "auto"
     try:
         drawing = render_drawing(graph, out, format=fmt, depth=depth, scope=args.scope, plan=plan,
                                  timeout=args.timeout, fold=not args.unfold)
@@ -335,7 +336,9 @@ def cmd_render(args) -> int:
     took = time.perf_counter() - start
     print(f"wrote {out} ({fmt}, {out.stat().st_size:,} bytes): {drawing.summary()} of the "
           f"{args.graph} graph" + (f", scope {args.scope}" if args.scope else "")
-          + (f", depth {depth}" if depth is not None else "") + f", in {took:.1f} s")
+          + (f", depth {drawing.depth}" if drawing.depth is not None else "")
+          + (f" ({drawing.size[0]:,}x{drawing.size[1]:,} px)" if drawing.size else "")
+          + f", in {took:.1f} s")
     if drawing.warning:
         print(f"graphlm render: warning: {drawing.warning}", file=sys.stderr)
     return 0
@@ -476,8 +479,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="output format (default: from the --out suffix)")
     p.add_argument("--depth", type=int_at_least(0), default=None,
                    help="module levels drawn as clusters; deeper modules become one box each "
-                        "with node and parameter counts (default: all levels; 1 for --graph "
-                        "train without --scope)")
+                        "with node and parameter counts (default: all levels; for --graph "
+                        "train the deepest whose picture reads at screen size, about 2500 px)")
     p.add_argument("--unfold", action="store_true",
                    help="draw every block of a run of identical ones (default: one, "
                         "labelled blocks.0-11 x12)")

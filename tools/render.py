@@ -25,7 +25,9 @@ names: Graphviz reads ``a:b`` in an id as node ``a``, port ``b``.
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import struct
 import subprocess
 import tempfile
 from collections import defaultdict
@@ -73,10 +75,21 @@ FAST_LAYOUT = {"splines": "line", "nslimit": "0.05", "mclimit": "0.1", "searchsi
 FAST_LAYOUT_ABOVE = 400
 # an update node with more param/state inputs than this gets them as one summary node per kind
 FANIN_GROUP_ABOVE = 8
-# gradient edges into the optimizer, bundled at their head
+# edges into the optimizer from the model, bundled through one junction box per kind of
+# source: the gradients, and (where the update is collapsed into a box) the parameters
 BUNDLE_COLOUR = "#8cc98a"
+JUNCTIONS = {"j_grad": ("backward",), "j_param": ("param",)}
+# the font of what needs only a glance: views (no memory of their own) and outside inputs
+SMALL_FONT = "8"
 # more boxes than this do not read at screen size: warn, and depth="auto" stays below it
 READABLE_ITEMS = 300
+# a drawn picture longer than this many pixels (at 96 dpi) does not read when shown at about
+# 1600-2000 px wide: warn, and render's depth="auto" draws less until it fits
+READABLE_PX = 2500
+# render's depth="auto" lays out only depths with at most this many boxes: with labels of
+# three or four lines no larger picture was seen to fit READABLE_PX (TinyLM's: 53 boxes drew
+# 1816 px long, 61 drew 3550, 106 drew 3932), and each layout costs seconds
+AUTO_MOST_ITEMS = 100
 
 
 class RenderError(RuntimeError):
@@ -116,11 +129,17 @@ def _const_text(node: Tensor) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
+# attrs left off node labels: the folded constant's value, the update's state list, and the
+# marks graph passes leave (which pass made a node, a kept value), which the tooltip and the
+# page show
+NOT_ON_LABELS = ("value", "writes", "made_by", "pass", "fused_by", "kept")
+
+
 def _attr_text(node: Tensor) -> str:
     """The op attributes worth a glance (axis, eps, exponent ...), short."""
     parts = []
     for key, value in node.attrs.items():
-        if key in ("value", "writes") or key.startswith("_"):
+        if key in NOT_ON_LABELS or key.startswith("_"):
             continue
         if isinstance(value, float):
             text = f"{value:.3g}"
@@ -130,6 +149,8 @@ def _attr_text(node: Tensor) -> str:
             text = ",".join("_" if v is None else str(v) for v in value) or "()"
         else:
             continue
+        if isinstance(value, tuple) and tuple(value) == tuple(node.shape):
+            continue            # a reshape's or broadcast's target: the shape line says it
         parts.append(f"{key}={text}")
     text = " ".join(parts)
     return text if len(text) <= 40 else text[:37] + "..."
@@ -179,9 +200,12 @@ def node_label(node: Tensor, folded: list[Tensor], plan=None) -> tuple[str, dict
                 style["penwidth"] = "2"
             elif where == "view":
                 base = _entry_base(entry)
+                # a view costs nothing: smaller, its attrs left to the tooltip
+                lines[0] = head.split("  (")[0]
                 lines.append(f"view of n{base}" + (f" @{offset:,}" if offset is not None else ""))
                 style["style"] = "filled,dashed" if kind != "forward" and kind != "backward" \
                     else "rounded,filled,dashed"
+                style["fontsize"] = SMALL_FONT
             elif where == "arena":
                 lines.append(f"arena @{offset:,} ({fmt_bytes(nbytes)})")
             elif where == "fused":
@@ -193,11 +217,12 @@ def node_label(node: Tensor, folded: list[Tensor], plan=None) -> tuple[str, dict
 
 
 class _Cluster:
-    __slots__ = ("path", "label", "children", "items")
+    __slots__ = ("path", "label", "children", "items", "side")
 
     def __init__(self, path: str):
         self.path = path
         self.label = path
+        self.side = ""
         self.children: dict[str, _Cluster] = {}
         self.items: list[str] = []
 
@@ -221,6 +246,8 @@ class Drawing:
     warning: str | None = None
     path: Path | None = None
     stubs: int = 0
+    tips: list[str] | None = None          # what to try when it does not read
+    size: tuple[int, int] | None = None    # pixels, once drawn by `render_drawing`
 
 
     def summary(self) -> str:
@@ -234,18 +261,35 @@ class Drawing:
         return text
 
 
-def readability_warning(items: int, scope: str | None, depth) -> str | None:
-    """The warning for a picture of more than `READABLE_ITEMS` boxes, with what to try instead."""
-    if items <= READABLE_ITEMS:
+def readability_warning(items: int, scope: str | None, depth, size: tuple[int, int] | None = None,
+                        tips: list[str] | None = None) -> str | None:
+    """The warning for a picture of more than `READABLE_ITEMS` boxes or, once laid out, longer
+    than `READABLE_PX` pixels, with what to try instead (`tips`, see `draw`)."""
+    too_big = size is not None and max(size) > READABLE_PX
+    if items <= READABLE_ITEMS and not too_big:
         return None
-    tips = []
-    if depth is None or depth > 0:
-        tips.append(f"--depth {0 if depth in (None, 1) and scope else max(0, (depth or 2) - 1)}")
-    if not scope:
-        tips.append("--scope MODULE (e.g. blocks.0)")
-    tips.append("--out graph.html (the interactive page)")
-    return (f"{items:,} boxes drawn, more than a person can read at screen size "
-            f"(about {READABLE_ITEMS}); try {', or '.join(tips)}")
+    if tips is None:
+        tips = []
+        if depth is None or depth > 0:
+            tips.append(f"--depth {0 if depth in (None, 1) and scope else max(0, (depth or 2) - 1)}")
+        if not scope:
+            tips.append("--scope MODULE (e.g. blocks.0)")
+        tips.append("--out graph.html (the interactive page)")
+    what = (f"the picture is {size[0]:,}x{size[1]:,} px, more than reads at screen size (about "
+            f"{READABLE_PX:,} px on the long side)" if too_big else
+            f"{items:,} boxes drawn, more than a person can read at screen size (about {READABLE_ITEMS})")
+    return f"{what}; try {', or '.join(tips)}"
+
+
+def picture_size(data: bytes, fmt: str) -> tuple[int, int] | None:
+    """(width, height) in pixels (Graphviz's 96 dpi) of a drawn PNG or SVG; None for others."""
+    if fmt == "png" and data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) >= 24:
+        return struct.unpack(">II", data[16:24])
+    if fmt == "svg":
+        m = re.search(rb'<svg\b[^>]*?\bwidth="([\d.]+)pt"[^>]*?\bheight="([\d.]+)pt"', data)
+        if m:
+            return round(float(m.group(1)) * 96 / 72), round(float(m.group(2)) * 96 / 72)
+    return None
 
 
 def max_depth(graph: Graph, scope: str | None = None) -> int:
@@ -257,30 +301,32 @@ def max_depth(graph: Graph, scope: str | None = None) -> int:
 
 def to_dot(graph: Graph, depth: int | str | None = None, scope: str | None = None, plan=None,
            title: str | None = None, legend: bool = True, fast: bool | None = None,
-           fold: bool = True) -> str:
+           fold: bool = True, phases: bool | None = None) -> str:
     """The DOT text of `graph` (see the module docstring for what it shows); `draw` also says
     what was drawn."""
     return draw(graph, depth=depth, scope=scope, plan=plan, title=title, legend=legend,
-                fast=fast, fold=fold).source
+                fast=fast, fold=fold, phases=phases).source
 
 
 def draw(graph: Graph, depth: int | str | None = None, scope: str | None = None, plan=None,
          title: str | None = None, legend: bool = True, fast: bool | None = None,
-         fold: bool = True) -> Drawing:
+         fold: bool = True, phases: bool | None = None) -> Drawing:
     """The picture of `graph` as a `Drawing` (DOT source and counts).
 
     depth: module levels drawn as clusters (None: all, nothing collapsed; ``"auto"``: the
     deepest that draws at most `READABLE_ITEMS` boxes); scope: a module path (``blocks.1``) to
     draw alone; plan: a NumPy executor plan (``program.plan``) to annotate with; fast: use the
     fast layout settings (default: when more than 400 items are drawn); fold: draw each run of
-    identical sibling modules once (``blocks.0-11 x12``).
+    identical sibling modules once (``blocks.0-11 x12``); phases: a collapsed module is one box
+    per phase (forward, backward, update) and the backward pass is laid out upwards beside the
+    forward one (default: when the graph has backward nodes; see `PHASES`).
     """
     if not isinstance(graph, Graph):
         raise RenderError(f"render: expected a graphlm.Graph, got {type(graph).__name__}")
     if depth == "auto":
         deepest = max_depth(graph, scope)
         for d in range(deepest, -1, -1):
-            drawing = draw(graph, d, scope, plan, title, legend, fast, fold)
+            drawing = draw(graph, d, scope, plan, title, legend, fast, fold, phases)
             if drawing.items <= READABLE_ITEMS or d == 0:
                 return drawing
     if depth is not None and (not isinstance(depth, int) or isinstance(depth, bool) or depth < 0):
@@ -301,6 +347,8 @@ def draw(graph: Graph, depth: int | str | None = None, scope: str | None = None,
         return not scope or h == scope or h.startswith(scope + ".")
 
     in_scope = [n for n in graph.nodes if inside(n)]
+    if phases is None:
+        phases = any(n.is_backward for n in in_scope)
     # repeated sibling modules: every member but the first is drawn as the first one
     repeats = [r for r in graph_repeats(graph) if fold and (not scope or r.member_of(scope) is None)]
     repeats = [r for r in repeats if any(inside(graph.nodes[i]) for i in r.node_map)]
@@ -354,15 +402,27 @@ def draw(graph: Graph, depth: int | str | None = None, scope: str | None = None,
     boxes: dict[str, dict[str, Any]] = {}      # module path -> box info
     top_cluster = _Cluster("")
 
-    def cluster_for(levels: list[str]) -> _Cluster:
+    def cluster_for(levels: list[str], side: str = "") -> _Cluster:
+        """The cluster of a module path; with phases, a module's backward nodes get a cluster
+        of their own (``side="backward"``) beside its forward one, so that the forward modules
+        stack down one column and their backward passes up the next, instead of each module's
+        cluster spanning from its forward rank to its backward one and the clusters nesting
+        sideways."""
         c = top_cluster
         for path in levels:
-            if path not in c.children:
-                c.children[path] = _Cluster(path)
+            key = path + ("#" + side if side else "")
+            if key not in c.children:
+                c.children[key] = child = _Cluster(path)
                 if path in fold_label:
-                    c.children[path].label = f"{fold_label[path]} (one drawn; counts per block)"
-            c = c.children[path]
+                    child.label = f"{fold_label[path]} (one drawn; counts per block)"
+                if side:
+                    child.label = f"{fold_label.get(path, child.label)} ({side})"
+                    child.side = side
+            c = c.children[key]
         return c
+
+    def side_of(n: Tensor) -> str:
+        return "backward" if phases and node_kind(n) == "backward" else ""
 
     for n in in_scope:
         if n.id in hidden or n.id in twin:
@@ -370,13 +430,16 @@ def draw(graph: Graph, depth: int | str | None = None, scope: str | None = None,
         levels = rel_levels[n.id]
         if collapsed(n):   # counted in its module's box (scalar constants too)
             path = levels[depth]
-            box = boxes.get(path)
+            phase = node_phase(n) if phases else ""
+            box = boxes.get((path, phase))
             if box is None:
                 parent = levels[depth - 1] if depth else (scope or "")
-                short = path[len(parent) + 1:] if parent else path
-                box = boxes[path] = {"id": f"m{len(boxes)}", "nodes": 0, "kinds": defaultdict(int),
-                                     "params": 0, "short": fold_label.get(path, short)}
-                cluster_for(root_levels + levels[:depth]).items.append(box["id"])
+                short = fold_label.get(path, path[len(parent) + 1:] if parent else path)
+                box = boxes[(path, phase)] = {
+                    "id": f"m{len(boxes)}", "nodes": 0, "kinds": defaultdict(int), "params": 0,
+                    "path": path, "phase": phase,
+                    "short": short if phase in ("", "forward") else f"{short} ({phase})"}
+                cluster_for(root_levels + levels[:depth], side_of(n)).items.append(box["id"])
             box["nodes"] += 1
             box["kinds"][node_kind(n)] += 1
             if n.op == "param":
@@ -386,7 +449,7 @@ def draw(graph: Graph, depth: int | str | None = None, scope: str | None = None,
             continue
         else:
             rep[n.id] = f"n{n.id}"
-            cluster = cluster_for(root_levels + levels)
+            cluster = cluster_for(root_levels + levels, side_of(n))
             cluster.items.append(rep[n.id])
             for kind in groups.get(n.id, {}):
                 cluster.items.append(f"g{n.id}_{kind}")
@@ -398,6 +461,7 @@ def draw(graph: Graph, depth: int | str | None = None, scope: str | None = None,
     # between two members of one repeat (block i feeds block i+1) is left out: the folded
     # cluster stands for the chain
     edges: dict[tuple[str, str], int] = {}
+    sources: dict[tuple[str, str], set[int]] = defaultdict(set)   # graph nodes behind an edge
     folded: dict[int, list[Tensor]] = defaultdict(list)
     stubs: dict[int, Tensor] = {}
     readers = [n for n in in_scope if not _is_folded_const(n) and n.id not in hidden]
@@ -422,13 +486,36 @@ def draw(graph: Graph, depth: int | str | None = None, scope: str | None = None,
             b = rep[n.id]
             if a != b:
                 edges[(a, b)] = edges.get((a, b), 0) + 1
+                sources[(a, b)].add(src.id)
+
+    # gradients into the optimizer (its global norm and its update, both reading every one)
+    # from elsewhere: one bundle through a junction box that counts them, one edge per drawn
+    # source into it and one out to each optimizer node, instead of a fan across the picture
+    opt_tops = {_top(homes[n.id]) for n in shown if node_kind(n) == "update"}
+    opt_items = {rep[n.id] for n in in_scope if n.id in rep and _top(homes[n.id]) in opt_tops}
+    item_top = {rep[n.id]: _top(homes[n.id]) for n in in_scope if n.id in rep}
+    bundles: dict[str, list[Tensor]] = {}       # junction id -> the tensors it bundles
+    for junction, kinds in JUNCTIONS.items():
+        into_opt = [(a, b) for (a, b) in edges if b in opt_items and not a.startswith(("g", "j"))
+                    and item_top.get(a) not in opt_tops
+                    and all(node_kind(graph.nodes[i]) in kinds for i in sources[(a, b)])]
+        if len({a for a, _ in into_opt}) < 2:
+            continue
+        bundle = bundles[junction] = [graph.nodes[i] for i in
+                                      sorted({i for e in into_opt for i in sources[e]})]
+        for a, b in into_opt:
+            count = len(sources.pop((a, b)))
+            edges.pop((a, b))
+            edges[(a, junction)] = max(edges.get((a, junction), 0), count)
+            edges[(junction, b)] = len(bundle)
 
     drawn_nodes = len([n for n in shown if rep.get(n.id) == f"n{n.id}"])
-    drawn = drawn_nodes + len(boxes) + len(stubs) + sum(len(g) for g in groups.values())
+    drawn = drawn_nodes + len(boxes) + len(stubs) + sum(len(g) for g in groups.values()) + len(bundles)
     if fast is None:
         fast = drawn > FAST_LAYOUT_ABOVE
     drawing = Drawing("", drawn, len(in_scope), drawn_nodes, repeats, depth,
-                      readability_warning(drawn, scope, depth), stubs=len(stubs))
+                      stubs=len(stubs), tips=_tips(graph, scope, depth, homes, in_scope, repeats))
+    drawing.warning = readability_warning(drawn, scope, depth, tips=drawing.tips)
 
     gattrs = {"rankdir": "TB", "newrank": "true", "compound": "false", "fontname": "Helvetica",
               "fontsize": "12", "nodesep": "0.25", "ranksep": "0.35", "labeljust": "l",
@@ -442,6 +529,7 @@ def draw(graph: Graph, depth: int | str | None = None, scope: str | None = None,
                                      "penwidth": "1"},
                           edge_attr={"color": "#777777", "arrowsize": "0.6", "penwidth": "0.8"})
     node_by_id = {n.id: n for n in shown}
+    box_by_id = {b["id"]: b for b in boxes.values()}
 
     def emit_item(item: str, sub):
         if item.startswith("g"):
@@ -457,13 +545,18 @@ def draw(graph: Graph, depth: int | str | None = None, scope: str | None = None,
                      fillcolor=fill, color=border)
             return
         if item.startswith("m"):
-            path, box = next((p, b) for p, b in boxes.items() if b["id"] == item)
+            box = box_by_id[item]
             kinds = ", ".join(f"{c} {k}" for k, c in box["kinds"].items())
-            lines = [box["short"], f"{box['nodes']:,} nodes: {kinds}",
-                     f"{box['params']:,} parameters" if box["params"] else "no parameters"]
+            lines = [box["short"], f"{box['nodes']:,} node{'s' if box['nodes'] > 1 else ''}: {kinds}"]
+            if box["params"] or box["phase"] in ("", "forward"):
+                lines.append(f"{box['params']:,} parameters" if box["params"] else "no parameters")
             fill, border, _ = STYLE["module"]
+            if box["phase"] in ("backward", "update"):   # the phase's colour as the border
+                border = STYLE[box["phase"]][1]
             sub.node(item, label=_text(_esc("\n".join(lines))), shape="box",
-                     style="filled,bold", fillcolor=fill, color=border, tooltip=_text(_esc(path)))
+                     style="filled,bold", fillcolor=fill, color=border,
+                     tooltip=_text(_esc(box["path"] + (f" ({box['phase']})" if box["phase"] not in ("", "forward")
+                                                         else ""))))
             return
         n = node_by_id[int(item[1:])]
         kind = node_kind(n)
@@ -481,13 +574,14 @@ def draw(graph: Graph, depth: int | str | None = None, scope: str | None = None,
     def emit_cluster(c: _Cluster, level: int, sub):
         for item in c.items:
             emit_item(item, sub)
-        for path, child in sorted(c.children.items(), key=lambda kv: _natural_key(kv[0])):
+        for _, child in sorted(c.children.items(), key=lambda kv: (_natural_key(kv[1].path), kv[1].side)):
             cid = f"cluster_{counter[0]}"
             counter[0] += 1
             fill = CLUSTER_FILLS[min(level, len(CLUSTER_FILLS) - 1)]
+            border = STYLE["backward"][1] if child.side else "#9aa5b1"
             with sub.subgraph(name=cid) as inner:
-                inner.attr(label=_text(_esc(child.label)), tooltip=_text(_esc(path)),
-                           style="rounded,filled", fillcolor=fill, color="#9aa5b1", fontsize="11")
+                inner.attr(label=_text(_esc(child.label)), tooltip=_text(_esc(child.path)),
+                           style="rounded,filled", fillcolor=fill, color=border, fontsize="11")
                 emit_cluster(child, level + 1, inner)
 
     emit_cluster(top_cluster, 0, dg)
@@ -495,27 +589,72 @@ def draw(graph: Graph, depth: int | str | None = None, scope: str | None = None,
         where = homes[src.id] or "<root>"
         label = f"from n{src.id} {src.label}  ({where})\n{fmt_shape(src.shape)} {short_dtype(src.dtype)}"
         dg.node(f"x{sid}", label=_text(_esc(label)), shape="box", style="dashed,filled",
-                fillcolor="#f4f4f4", color="#aaaaaa", fontcolor="#555555")
-    # edges into the optimizer's module (gradients into the norm and the update) from elsewhere
-    # meet at one point of the head (samehead: a bundle, not a fan) and are drawn light, so they
-    # stand out less than the model's own edges
-    opt_tops = {_top(homes[n.id]) for n in shown if node_kind(n) == "update"}
-    opt_items = {rep[n.id] for n in in_scope if n.id in rep and _top(homes[n.id]) in opt_tops}
-    item_top = {rep[n.id]: _top(homes[n.id]) for n in in_scope if n.id in rep}
+                fillcolor="#f4f4f4", color="#aaaaaa", fontcolor="#555555", fontsize=SMALL_FONT)
+    for junction, bundle in bundles.items():
+        what = "gradients" if junction == "j_grad" else "parameters"
+        lines = [f"{len(bundle)} {what}", f"{sum(t.size for t in bundle):,} elements, "
+                 f"{fmt_bytes(sum(t.nbytes for t in bundle))}"]
+        kind = "backward" if junction == "j_grad" else "param"
+        dg.node(junction, label=_text(_esc("\n".join(lines))), shape="box", style="rounded,filled",
+                fillcolor=STYLE[kind][0], color=BUNDLE_COLOUR, penwidth="2",
+                tooltip=_text(_esc(f"the {what} the optimizer reads, bundled")))
+    # the phase of each drawn item: with phases, an edge from backward to backward (a
+    # cotangent flowing back) is laid out reversed and drawn pointing back (dir=back), so the
+    # backward pass climbs beside the forward one, each backward node next to its forward node
+    phase = {f"n{n.id}": node_phase(n) for n in shown}
+    phase.update({b["id"]: b["phase"] for b in boxes.values()})
+    phase.update({f"x{i}": node_phase(t) for i, t in stubs.items()})
     for (a, b), count in edges.items():
         extra: dict[str, str] = {}
         if count > 1:
             extra["penwidth"] = f"{min(0.8 + 0.3 * (count - 1), 3.0):g}"
             extra["tooltip"] = f"{count} edges"
-        if b in opt_items and not a.startswith("g") and item_top.get(a) not in opt_tops:
-            extra.update(samehead=f"in_{b}", color=BUNDLE_COLOUR)
-        dg.edge(a, b, **extra)
+        if a in bundles or b in bundles:
+            extra["color"] = BUNDLE_COLOUR
+            if count > 1:
+                extra.update(label=str(count), fontsize="8", fontcolor="#2f7d32")
+            dg.edge(a, b, **extra)
+        elif phases and phase.get(a) == "backward" and phase.get(b) == "backward":
+            dg.edge(b, a, dir="back", **extra)
+        else:
+            dg.edge(a, b, **extra)
     if legend:
         dg.node("legend", label=_legend(graph, [n for n in shown if rep[n.id] == f"n{n.id}"] +
                                         [i for g in groups.values() for ins in g.values() for i in ins],
                                         boxes, plan), shape="plaintext", style="")
     drawing.source = dg.source
     return drawing
+
+
+def _tips(graph: Graph, scope: str | None, depth, homes: dict[int, str], in_scope: list[Tensor],
+          repeats: list[Repeat]) -> list[str]:
+    """What to try when a picture does not read: one level less, the biggest module one
+    level down (a folded run's first member), the page."""
+    tips = []
+    deepest = max_depth(graph, scope)
+    drawn_depth = deepest if depth is None else min(depth, deepest)
+    if drawn_depth > 0:
+        tips.append(f"--depth {drawn_depth - 1}")
+    base = len(module_levels(scope)) if scope else 0
+    sizes: dict[str, int] = defaultdict(int)
+    for n in in_scope:
+        levels = module_levels(homes[n.id])
+        if len(levels) > base:
+            child = levels[base]
+            for r in repeats:
+                child = r.to_first(child)
+            sizes[child] += 1
+    if sizes:
+        tips.append(f"--scope {max(sorted(sizes, key=_natural_key), key=lambda c: sizes[c])}")
+    tips.append("--out graph.html (the interactive page)")
+    return tips
+
+
+def node_phase(node: Tensor) -> str:
+    """forward, backward or update: the box a collapsed module's node is counted in (leaves
+    with the forward pass)."""
+    kind = node_kind(node)
+    return kind if kind in ("backward", "update") else "forward"
 
 
 def _top(scope: str) -> str:
@@ -656,24 +795,55 @@ def render_drawing(graph: Graph, path, format: str | None = None, depth: int | s
                    scope: str | None = None, plan=None, title: str | None = None,
                    timeout: float | None = 120.0, fast: bool | None = None,
                    fold: bool = True) -> Drawing:
-    """`render`, returning the `Drawing` (its `path`, counts and readability warning)."""
+    """`render`, returning the `Drawing` (its `path`, counts, size and readability warning).
+
+    ``depth="auto"`` here lays the picture out and takes the deepest depth whose picture is at
+    most `READABLE_PX` pixels long (trying those of at most `AUTO_MOST_ITEMS` boxes); any picture
+    longer than that gets a warning with what to try instead."""
     path = Path(path)
     fmt = output_format(path, format)
     check_writable(path)
-    drawing = draw(graph, depth=depth, scope=scope, plan=plan, title=title, fast=fast, fold=fold)
+    measure = fmt if fmt in ("png", "svg") else "svg"
+    data = None
+    if depth == "auto" and fmt != "dot" and find_dot() is not None:
+        # the deepest depth whose picture, laid out, reads at screen size (few boxes is not
+        # enough: long labels and wide fan-outs make a picture wide)
+        for d in range(max_depth(graph, scope), -1, -1):
+            drawing = draw(graph, d, scope, plan, title, fast=fast, fold=fold)
+            if drawing.items > AUTO_MOST_ITEMS and d > 0:
+                continue
+            data = _drawn(drawing.source, measure, timeout, path)
+            drawing.size = picture_size(data, measure)
+            if drawing.size is None or max(drawing.size) <= READABLE_PX:
+                break
+        if measure != fmt:
+            data = None
+    else:
+        drawing = draw(graph, depth=depth, scope=scope, plan=plan, title=title, fast=fast, fold=fold)
     drawing.path = path
     text = drawing.source
     if fmt == "dot":
         write_atomic(path, text.encode())
         return drawing
+    if data is None:
+        data = _drawn(text, fmt, timeout, path)
+    if drawing.size is None:
+        drawing.size = picture_size(data, fmt) or (
+            picture_size(_drawn(text, "svg", timeout, path), "svg") if fmt == "pdf" else None)
+    drawing.warning = readability_warning(drawing.items, scope, drawing.depth, drawing.size,
+                                          drawing.tips)
+    write_atomic(path, data)
+    return drawing
+
+
+def _drawn(text: str, fmt: str, timeout, path: Path) -> bytes:
+    """`dot_to`; on failure the DOT text is written next to `path` and the error says where."""
     try:
-        data = dot_to(text, fmt, timeout=timeout)
+        return dot_to(text, fmt, timeout=timeout)
     except RenderError as e:
         dot_path = path.with_suffix(".dot")
         write_atomic(dot_path, text.encode())
         raise type(e)(f"{e}; the DOT text was written to {dot_path}") from None
-    write_atomic(path, data)
-    return drawing
 
 
 def render(graph: Graph, path, format: str | None = None, depth: int | str | None = None,
@@ -690,4 +860,5 @@ def render(graph: Graph, path, format: str | None = None, depth: int | str | Non
 
 __all__ = ["to_dot", "draw", "Drawing", "render", "render_drawing", "RenderError",
            "GraphvizNotFound", "quote", "dot_to", "STYLE", "FAST_LAYOUT", "READABLE_ITEMS",
+           "READABLE_PX", "picture_size", "readability_warning", "node_phase",
            "check_writable", "write_atomic", "output_format", "max_depth"]
