@@ -278,6 +278,28 @@ def test_toggle_backward_and_optimizer_nodes(train):
     assert drawn_ids(page) & backward
 
 
+def test_gradients_reach_the_optimizer_through_one_bundle(train):
+    """Drawn at the page's first depth the optimizer's nodes read every gradient; they arrive
+    through one junction box that counts them, one edge per drawn source module."""
+    g, plan, page, errors = train
+    assert "bundle-optimizer" in drawn_ids(page)
+    grads = {i.id for n in g.nodes if n.op == "global_norm" for i in n.inputs}
+    text = page.text_content('[id="bundle-optimizer"]')
+    assert f"{len(grads)} gradients" in text
+    # every edge into an optimizer item comes from the junction or from inside the optimizer
+    titles = page.eval_on_selector_all("#graph g.edge", "els => els.map(e => e.id)")   # "a->b"
+    into = [t.split("->") for t in titles if t.endswith("->bundle-optimizer")]
+    out = [t.split("->") for t in titles if t.startswith("bundle-optimizer->")]
+    assert len(into) > 2 and len({a for a, _ in into}) == len(into) and out
+    section = page.evaluate("""() => Object.fromEntries(window.graphlmPage.data.nodes
+        .map((n) => ["node-" + n.id, n.section]))""")
+    for t in titles:
+        a, b = t.split("->")
+        if section.get(b) == "optimizer" and a != "bundle-optimizer":
+            assert section.get(a) == "optimizer" or a.startswith("group-"), t
+    assert errors == []
+
+
 def test_plan_panel_and_graph_highlight_each_other(train):
     g, plan, page, errors = train
     ids = drawn_ids(page)

@@ -25,8 +25,8 @@ from graphlm.ir import Graph, Tensor, fmt_shape
 from graphlm.registry import REGISTRY
 
 from .folding import graph_repeats, is_scalar_const
-from .render import (CLUSTER_FILLS, FANIN_GROUP_ABOVE, LEAF_SHAPE, STYLE, RenderError, _attr_text,
-                     _const_text, check_writable, fmt_bytes, node_label, write_atomic)
+from .render import (BUNDLE_COLOUR, CLUSTER_FILLS, FANIN_GROUP_ABOVE, LEAF_SHAPE, STYLE, RenderError,
+                     _attr_text, _const_text, check_writable, fmt_bytes, node_label, write_atomic)
 from .stats import all_scopes, graph_homes, module_levels, node_kind
 
 ASSETS = Path(__file__).with_name("page_assets")
@@ -127,7 +127,7 @@ def page_data(graph: Graph, plan=None, title: str | None = None) -> dict[str, An
     data: dict[str, Any] = {
         "title": title or graph.name, "graph": graph.name, "node_count": len(graph.nodes),
         "style": {k: list(v) for k, v in STYLE.items()}, "cluster_fills": list(CLUSTER_FILLS),
-        "fanin_group_above": FANIN_GROUP_ABOVE,
+        "fanin_group_above": FANIN_GROUP_ABOVE, "bundle_colour": BUNDLE_COLOUR,
         "nodes": nodes, "modules": modules, "repeats": repeats, "plan": None,
     }
     if plan is not None:

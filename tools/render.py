@@ -547,9 +547,10 @@ def draw(graph: Graph, depth: int | str | None = None, scope: str | None = None,
         if item.startswith("m"):
             box = box_by_id[item]
             kinds = ", ".join(f"{c} {k}" for k, c in box["kinds"].items())
-            lines = [box["short"], f"{box['nodes']:,} node{'s' if box['nodes'] > 1 else ''}: {kinds}"]
+            each = " each" if box["path"] in fold_label else ""     # a folded run: per member
+            lines = [box["short"], f"{box['nodes']:,} node{'s' if box['nodes'] > 1 else ''}{each}: {kinds}"]
             if box["params"] or box["phase"] in ("", "forward"):
-                lines.append(f"{box['params']:,} parameters" if box["params"] else "no parameters")
+                lines.append(f"{box['params']:,} parameters{each}" if box["params"] else "no parameters")
             fill, border, _ = STYLE["module"]
             if box["phase"] in ("backward", "update"):   # the phase's colour as the border
                 border = STYLE[box["phase"]][1]

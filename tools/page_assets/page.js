@@ -19,6 +19,7 @@
   const byId = new Map(D.nodes.map((n) => [n.id, n]));
   const moduleOf = new Map(D.modules.map((m) => [m.path, m]));
   const SVGNS = "http://www.w3.org/2000/svg";
+  const BUNDLE = D.bundle_colour;    // the edges into and out of the optimizer's junction
   const state = {
     expanded: new Set(D.modules.filter((m) => m.depth === 0).map((m) => m.path)),
     unfolded: new Set(),
@@ -150,6 +151,7 @@
     }
     // edges; block i feeding block i+1 of a folded run is what the fold stands for: left out
     const edges = new Map();
+    const sources = new Map();      // edge -> the graph nodes behind it
     for (const n of D.nodes) {
       if (!rep.has(n.id) || hidden.has(n.id)) continue;
       const g = groups.get(n.id);
@@ -160,10 +162,43 @@
         const sAt = memberAt(byId.get(s).scope, repeats);
         if (sAt && nAt && sAt[0] === nAt[0] && sAt[1] !== nAt[1]) continue;
         const a = rep.get(s), b = rep.get(n.id);
-        if (a !== b) edges.set(`${a}\t${b}`, (edges.get(`${a}\t${b}`) || 0) + 1);
+        if (a !== b) {
+          edges.set(`${a}\t${b}`, (edges.get(`${a}\t${b}`) || 0) + 1);
+          if (!sources.has(`${a}\t${b}`)) sources.set(`${a}\t${b}`, new Set());
+          sources.get(`${a}\t${b}`).add(s);
+        }
       }
     }
+    bundleIntoOptimizer(items, root, edges, sources);
     return { items, root, edges, foldLabel };
+  }
+
+  // Gradients into the optimizer (its global norm and its update both read every one) from
+  // elsewhere: one junction box that counts them, one edge per drawn source into it and one
+  // out to each optimizer item, instead of a fan across the picture (as render.py draws it).
+  function bundleIntoOptimizer(items, root, edges, sources) {
+    const inOptimizer = (id) => (items.get(id) && items.get(id).type === "group") ||
+      (members.get(id) || []).some((i) => byId.get(i).section === "optimizer");
+    const into = [...edges.keys()].filter((k) => {
+      const [a, b] = k.split("\t");
+      return inOptimizer(b) && !inOptimizer(a);
+    });
+    const bySource = new Map();
+    for (const k of into) {
+      const a = k.split("\t")[0];
+      if (!bySource.has(a)) bySource.set(a, new Set());
+      for (const s of sources.get(k)) bySource.get(a).add(s);
+    }
+    if (bySource.size < 2) return;
+    const all = new Set([...bySource.values()].flatMap((set) => [...set]));
+    const id = "bundle-optimizer";
+    items.set(id, { type: "junction", id, ins: [...all].map((i) => byId.get(i)) });
+    root.items.push(id);
+    for (const k of into) {
+      edges.delete(k);
+      edges.set(`${id}\t${k.split("\t")[1]}`, all.size);
+    }
+    for (const [a, set] of bySource) edges.set(`${a}\t${id}`, set.size);
   }
 
   // -- DOT text ------------------------------------------------------------------------------------
@@ -179,7 +214,6 @@
       'ranksep="0.35", labeljust="l", outputorder="edgesfirst"];',
       '  node [fontname="Helvetica", fontsize="10", style="filled", penwidth="1"];',
       '  edge [color="#777777", arrowsize="0.6", penwidth="0.8"];'];
-    const optItems = new Set();
     const emit = (id, ind) => {
       const it = model.items.get(id);
       if (it.type === "node") {
@@ -189,7 +223,6 @@
                     style: n.op in { input: 1, param: 1, state: 1, const: 1 } ? "filled" : "rounded,filled",
                     tooltip: `n${n.id} ${n.op} ${n.name || ""} ${n.shape} ${n.dtype} in ${n.scope || "<root>"}` };
         Object.assign(a, n.style);
-        if (n.section === "optimizer") optItems.add(id);
         out.push(`${ind}${q(id)} ${attrs(a)};`);
       } else if (it.type === "box") {
         const [fill, border] = S.module;
@@ -198,7 +231,13 @@
                        it.params ? `${fmtInt(it.params)} parameters` : "no parameters"];
         out.push(`${ind}${q(id)} ${attrs({ id, label: lines.join("\n"), shape: "box", style: "filled,bold",
           fillcolor: fill, color: border, tooltip: `${it.path}: click to expand` })};`);
-        if (members.get(id) && members.get(id).some((i) => byId.get(i).section === "optimizer")) optItems.add(id);
+      } else if (it.type === "junction") {
+        const grads = it.ins.every((i) => i.kind === "backward");
+        const elems = it.ins.reduce((s, i) => s + i.size, 0);
+        const lines = [`${fmtInt(it.ins.length)} ${grads ? "gradients" : "tensors"}`, `${fmtInt(elems)} elements`];
+        out.push(`${ind}${q(id)} ${attrs({ id, label: lines.join("\n"), shape: "box", style: "rounded,filled",
+          fillcolor: S.backward[0], color: BUNDLE, penwidth: "2",
+          tooltip: `the ${grads ? "gradients" : "tensors"} the optimizer reads, bundled` })};`);
       } else {
         const [fill, border] = S[it.kind];
         const elems = it.ins.reduce((s, i) => s + i.size, 0);
@@ -207,7 +246,6 @@
         if (hiddenCount) lines.push(`(${hiddenCount} drawn only here)`);
         out.push(`${ind}${q(id)} ${attrs({ id, label: lines.join("\n"), shape: "folder", style: "filled",
           fillcolor: fill, color: border })};`);
-        optItems.add(id);
       }
     };
     const walk = (c, level, ind) => {
@@ -227,10 +265,13 @@
     walk(model.root, 0, "  ");
     for (const [key, count] of model.edges) {
       const [a, b] = key.split("\t");
-      const e = {};
+      const e = { id: `${a}->${b}` };
       if (count > 1) { e.penwidth = Math.min(0.8 + 0.3 * (count - 1), 3).toFixed(1); e.tooltip = `${count} edges`; }
-      if (optItems.has(b) && !optItems.has(a)) { e.samehead = "in_" + b; e.color = "#8cc98a"; }
-      out.push(`  ${q(a)} -> ${q(b)}${Object.keys(e).length ? " " + attrs(e) : ""};`);
+      if (a === "bundle-optimizer" || b === "bundle-optimizer") {
+        e.color = BUNDLE;
+        if (count > 1) Object.assign(e, { label: String(count), fontsize: "8", fontcolor: "#2f7d32" });
+      }
+      out.push(`  ${q(a)} -> ${q(b)} ${attrs(e)};`);
     }
     out.push("}");
     return out.join("\n");
