@@ -39,7 +39,8 @@ def tinylm_train():
     from graphlm import executors
 
     g, outputs, _ = build_model_graph(load_config("tinylm"), "train", 1, None)
-    return g, executors.get("numpy").compile(g, outputs).plan
+    program = executors.get("numpy").compile(g, outputs)
+    return program.graph, program.plan       # the plan's node ids are those of the graph it planned
 
 
 # -- the data and the file (no browser) --------------------------------------------------------------
@@ -320,9 +321,20 @@ def test_plan_panel_and_graph_highlight_each_other(train):
     assert errors == []
 
 
-def test_screenshot(train, tmp_path):
-    g, plan, page, errors = train
+def test_screenshot(browser, train, tmp_path):
+    """A fresh page of the training graph, searched for qkv_weight and one result clicked: the
+    picture docs/img/tinylm_train_page.png (GRAPHLM_SCREENSHOT_DIR=docs/img keeps it)."""
+    g, plan, _, _ = train
+    path = H.write_page(g, tmp_path / "tinylm_train.html", plan=plan)
+    page, errors = open_page(browser, path)
+    page.fill("#search", "qkv_weight")
+    target = g.params["blocks.0.attention.qkv_weight"]
+    before = renders(page)
+    page.click(f'#results li.result[data-id="{target.id}"]')
+    wait_render(page, before)
     out = Path(SCREENSHOT_DIR) if SCREENSHOT_DIR else tmp_path
     page.screenshot(path=str(out / "tinylm_train_page.png"))
     data = (out / "tinylm_train_page.png").read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+    assert errors == []
+    page.close()

@@ -518,7 +518,7 @@ def draw(graph: Graph, depth: int | str | None = None, scope: str | None = None,
     drawing.warning = readability_warning(drawn, scope, depth, tips=drawing.tips)
 
     gattrs = {"rankdir": "TB", "newrank": "true", "compound": "false", "fontname": "Helvetica",
-              "fontsize": "12", "nodesep": "0.25", "ranksep": "0.35", "labeljust": "l",
+              "fontsize": "12", "nodesep": "0.25", "ranksep": "0.3", "labeljust": "l",
               "outputorder": "edgesfirst"}
     if fast:
         gattrs.update(FAST_LAYOUT)
