@@ -17,7 +17,14 @@ What a picture shows:
   - ``scope="blocks.1"``: only that module's nodes (its inputs from elsewhere as grey stubs);
     depth then counts from that module;
   - ``plan=``: the NumPy executor's plan: arena offset and size per node, in-place nodes drawn
-    with a double border, views dashed with the node whose memory they share.
+    with a double border, views dashed (and smaller) with the node whose memory they share;
+  - with backward nodes (``phases``): collapsed modules as a forward and a backward box, each
+    module's backward nodes in a cluster of their own, the backward pass laid out climbing back
+    up beside the forward one (cotangent edges reversed, ``dir=back``);
+  - the gradients (and parameters) the optimizer reads bundled through one counting box;
+  - runs of identical blocks drawn once (`tools.folding`);
+  - ``render_drawing`` measures the drawn picture and warns above `READABLE_PX`, and its
+    ``depth="auto"`` takes the deepest depth that fits.
 
 DOT node ids are plain ``n<id>`` (module boxes ``m<k>``, clusters ``cluster_<k>``), never
 names: Graphviz reads ``a:b`` in an id as node ``a``, port ``b``.
