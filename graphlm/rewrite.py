@@ -19,6 +19,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from .ir import LEAF_OPS, Graph, GraphError, Tensor, fmt_shape
+from .ops import PASS_ATTRS
 from .registry import REGISTRY, apply
 
 
@@ -70,7 +71,7 @@ def copy_graph(outputs: Sequence[Tensor], *, dtypes: Mapping | None = None,
             if "dtype" in attrs:
                 attrs["dtype"] = dt(attrs["dtype"]).str
             if expand is not None and expand(n):
-                out = REGISTRY[n.op].decompose(*ins, **attrs)
+                out = REGISTRY[n.op].decompose(*ins, **{k: v for k, v in attrs.items() if k not in PASS_ATTRS})
                 if not isinstance(out, Tensor) or out.shape != n.shape or out.dtype != dt(n.dtype):
                     got = (f"{fmt_shape(out.shape)} {out.dtype}" if isinstance(out, Tensor)
                            else type(out).__name__)
