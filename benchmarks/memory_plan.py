@@ -60,7 +60,7 @@ def measure(batch: int, repeats: int, time_reference: bool) -> dict:
                arena_over_lower_bound=round(plan.arena_bytes / plan.lower_bound_bytes, 4),
                naive_over_arena=round(plan.naive_bytes / plan.arena_bytes, 3),
                inplace_count=plan.inplace_count, view_count=plan.view_count,
-               fused_count=len(plan.fused), placement=plan.strategy)
+               kept_bytes=plan.kept_bytes, kept_count=len(plan.kept), placement=plan.strategy)
     wall, cpu = best_time(prog, feeds, params, repeats)
     row.update(numpy_step_s=round(wall, 4), numpy_step_cpu_s=round(cpu, 4))
     if time_reference:
@@ -74,12 +74,12 @@ def measure(batch: int, repeats: int, time_reference: bool) -> dict:
 def table(rows) -> str:
     mib = lambda b: f"{b / 2**20:8.2f}"
     head = (f"{'batch':>5} {'arena MiB':>9} {'lower MiB':>9} {'naive MiB':>9} {'a/lb':>6} {'naive/a':>7} "
-            f"{'inpl':>4} {'views':>5} {'numpy s':>8} {'ref s':>8} {'x wall':>6} {'x cpu':>6}")
+            f"{'kept MiB':>8} {'inpl':>4} {'views':>5} {'numpy s':>8} {'ref s':>8} {'x wall':>6} {'x cpu':>6}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['batch']:>5} {mib(r['arena_bytes']):>9} {mib(r['lower_bound_bytes']):>9} "
                      f"{mib(r['naive_bytes']):>9} {r['arena_over_lower_bound']:>6.3f} "
-                     f"{r['naive_over_arena']:>7.2f} {r['inplace_count']:>4} {r['view_count']:>5} "
+                     f"{r['naive_over_arena']:>7.2f} {mib(r['kept_bytes'])} {r['inplace_count']:>4} {r['view_count']:>5} "
                      f"{r['numpy_step_s']:>8.3f} {r.get('reference_step_s', float('nan')):>8.3f} "
                      f"{r.get('speedup_wall', float('nan')):>6.2f} {r.get('speedup_cpu', float('nan')):>6.2f}")
     return "\n".join(lines)

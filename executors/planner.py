@@ -9,7 +9,10 @@ Given the nodes a program runs (in run order), the planner decides where every v
   arena that nothing else ever writes (the program copies outputs out at the end of a run);
 - a node whose kernel may write over one of its inputs does so when that input is the full
   buffer of a dying intermediate of the same shape and dtype ("in place");
-- every other node, and every scratch array a kernel asks for, gets a block of the arena.
+- every other node, and every scratch array a kernel asks for, gets a block of the arena;
+- a kept value (a tensor marked ``attrs["kept"]`` by a graph pass: what a forward keeps for its
+  backward) is planned like any other value; the plan counts its bytes (`kept_bytes`, and per
+  block `kept_in`) so the reports and the arena picture can show them.
 
 Blocks are placed by TFLite's greedy-by-size rule (largest first, into the smallest gap between
 blocks whose lifetimes overlap); a couple of other orderings are tried and the smallest arena is
@@ -73,21 +76,19 @@ class Block:
 
 @dataclass
 class Scratch:
-    """A temporary array a kernel uses during its step, or a value it keeps for later nodes
-    (a spec ``(shape, dtype, until_node_id)``: live until that node's step)."""
+    """A temporary array a kernel uses during its step."""
 
     offset: int
     nbytes: int
     shape: tuple[int, ...]
     dtype: np.dtype
-    kept: bool = False   # lives past its node's step (read by later nodes)
 
 
 class Plan:
     """The memory plan of one program; see the module docstring."""
 
     def __init__(self, schedule, entries, blocks, scratch, storage, view_offset, inplace_input,
-                 arena_bytes, lower_bound_bytes, naive_bytes, output_bytes, strategy):
+                 arena_bytes, lower_bound_bytes, naive_bytes, output_bytes, strategy, kept=None):
         self.schedule: list[int] = schedule
         self.entries: dict[int, Entry] = entries
         self.blocks: list[Block] = blocks
@@ -100,6 +101,17 @@ class Plan:
         self.naive_bytes = naive_bytes
         self.output_bytes = output_bytes
         self.strategy = strategy
+        self.kept: dict[int, int] = dict(kept or {})   # kept-value node id -> its bytes
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of the kept values (inside the arena, or in output buffers where one is an output)."""
+        return sum(self.kept.values())
+
+    def kept_in(self, block: Block) -> int:
+        """Bytes of kept values stored in `block` (its own value, or views of it)."""
+        return sum(nbytes for nid, nbytes in self.kept.items() if self.storage.get(nid) == block.owner
+                   and not block.scratch)
 
     @property
     def inplace_count(self) -> int:
@@ -137,7 +149,8 @@ class Plan:
                 f"(lower bound {mib(self.lower_bound_bytes)}, x{ratio:.3f}), naive "
                 f"{mib(self.naive_bytes)} (x{saving:.2f} saved), outputs {mib(self.output_bytes)}, "
                 f"{self.inplace_count} in place, {self.view_count} views, "
-                f"{sum(len(s) for s in self.scratch.values())} scratch, placement {self.strategy}")
+                f"{sum(len(s) for s in self.scratch.values())} scratch, kept values "
+                f"{mib(self.kept_bytes)} ({len(self.kept)} tensors), placement {self.strategy}")
 
     __repr__ = __str__
 
@@ -163,7 +176,7 @@ def _byte_span(arr: np.ndarray) -> tuple[int, int]:
 
 
 def make_plan(nodes: Sequence[Tensor], outputs: Sequence[Tensor], inplace_positions: InplaceFn,
-              scratch: ScratchFn, fused: dict | None = None) -> Plan:
+              scratch: ScratchFn) -> Plan:
     """Plan memory for `nodes` run in the given order (leaves included) producing `outputs`."""
     schedule = [n.id for n in nodes]
     step = {n.id: k for k, n in enumerate(nodes)}
@@ -231,12 +244,11 @@ def make_plan(nodes: Sequence[Tensor], outputs: Sequence[Tensor], inplace_positi
                 kinds[n.id] = "arena"
                 block_of[n.id] = new_block(n.id, n.nbytes, k, last[n.id])
         pos = inplace_input.get(n.id)
-        for shape, dtype, *until in scratch(n, pos):
+        for shape, dtype in scratch(n, pos):
             dtype = np.dtype(dtype)
             nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-            until_step = max(k, step[until[0]]) if until and until[0] is not None else k
             scratch_blocks.setdefault(n.id, []).append(
-                (new_block(n.id, nbytes, k, until_step, scratch=True), tuple(shape), dtype))
+                (new_block(n.id, nbytes, k, k, scratch=True), tuple(shape), dtype))
 
     arena_blocks = [b for b in blocks if not b.dedicated]
     offsets, strategy = _best_placement(arena_blocks)
@@ -244,10 +256,9 @@ def make_plan(nodes: Sequence[Tensor], outputs: Sequence[Tensor], inplace_positi
         b.offset = offsets[b.id]
     arena_bytes = max((b.offset + b.nbytes for b in arena_blocks), default=0)
     lower = _lower_bound(arena_blocks, len(nodes))
-    # naive: every intermediate its own buffer, kernel scratch and kept values included (they
-    # are arena blocks too, so the ratio compares like with like)
+    # naive: every intermediate its own buffer, kernel scratch included (scratch blocks are arena
+    # blocks too, so the ratio compares like with like)
     naive = sum(aligned(n.nbytes) for n in nodes if kinds[n.id] in ("arena", "inplace")) + \
-        sum(aligned(inner.nbytes) for inner in (fused or {})) + \
         sum(b.nbytes for lst in scratch_blocks.values() for b, _, _ in lst)
     output_bytes = sum(b.nbytes for b in blocks if b.dedicated)
 
@@ -269,16 +280,11 @@ def make_plan(nodes: Sequence[Tensor], outputs: Sequence[Tensor], inplace_positi
             b = block_of[n.id]
             entries[n.id] = Entry(n.id, kind, b.offset, n.nbytes,
                                   b.owner if kind == "inplace" else None, k, last[n.id])
-    for inner, outer in (fused or {}).items():
-        k = step[outer.id]
-        entries[inner.id] = Entry(inner.id, "fused", None, inner.nbytes, outer.id, k, k)
-    scratch_out = {nid: [Scratch(b.offset, b.nbytes, shape, dtype, b.last > b.first)
-                         for b, shape, dtype in lst]
+    scratch_out = {nid: [Scratch(b.offset, b.nbytes, shape, dtype) for b, shape, dtype in lst]
                    for nid, lst in scratch_blocks.items()}
-    plan = Plan(schedule, entries, blocks, scratch_out, storage, view_offset, inplace_input,
-                arena_bytes, lower, naive, output_bytes, strategy)
-    plan.fused = {inner.id: outer.id for inner, outer in (fused or {}).items()}
-    return plan
+    kept = {n.id: n.nbytes for n in nodes if n.attrs.get("kept")}
+    return Plan(schedule, entries, blocks, scratch_out, storage, view_offset, inplace_input,
+                arena_bytes, lower, naive, output_bytes, strategy, kept)
 
 
 def _inplace_choice(n: Tensor, k: int, positions, kinds, last, storage) -> int | None:

@@ -11,7 +11,7 @@ from typing import Callable
 import numpy as np
 from scipy import special
 
-from graphlm.ops import GELU_A, GELU_B, GELU_DA, GELU_DB, matmul_sum_folding, norm_parts
+from graphlm.ops import GELU_A, GELU_B, GELU_DA, GELU_DB, attention_query_blocks, matmul_sum_folding, norm_parts
 from graphlm.random import counter_uniform, dropout_keep_scale
 
 from .base import ExecutionError, Program, check_index_range, node_where
@@ -206,11 +206,23 @@ def causal_mask(node, x):
     return np.where(keep, x, _s(node.attrs["fill"], x))
 
 
-def _attention_probs(q, k, scale):
-    """softmax(causal_mask(q @ k^T * scale)): the scores of every pair, the masked ones too."""
+def _attention_scores(q, k, scale):
+    """causal_mask(q @ k^T * scale): the scores of every pair, the masked ones -inf."""
     s = np.matmul(q, np.swapaxes(k, -1, -2)) * _s(scale, q)
     keep = np.tri(s.shape[-2], s.shape[-1], dtype=bool)
-    return _softmax_rows(np.where(keep, s, _s(-np.inf, s)))
+    return np.where(keep, s, _s(-np.inf, s))
+
+
+def _attention_probs(q, k, scale):
+    """softmax(causal_mask(q @ k^T * scale)): the scores of every pair, the masked ones too."""
+    return _softmax_rows(_attention_scores(q, k, scale))
+
+
+def _attention_gradients(p, q, k, v, o, g, scale):
+    scale = _s(scale, q)
+    ds = p * (np.matmul(g, np.swapaxes(v, -1, -2)) - np.sum(g * o, axis=-1, keepdims=True)) * scale
+    return np.stack([np.matmul(ds, k), np.matmul(np.swapaxes(ds, -1, -2), q),
+                     np.matmul(np.swapaxes(p, -1, -2), g)])
 
 
 @kernel("causal_attention")
@@ -220,11 +232,26 @@ def causal_attention(node, q, k, v):
 
 @kernel("causal_attention_backward")
 def causal_attention_backward(node, q, k, v, o, g):
-    scale = _s(node.attrs["scale"], q)
-    p = _attention_probs(q, k, node.attrs["scale"])
-    ds = p * (np.matmul(g, np.swapaxes(v, -1, -2)) - np.sum(g * o, axis=-1, keepdims=True)) * scale
-    return np.stack([np.matmul(ds, k), np.matmul(np.swapaxes(ds, -1, -2), q),
-                     np.matmul(np.swapaxes(p, -1, -2), g)])
+    return _attention_gradients(_attention_probs(q, k, node.attrs["scale"]), q, k, v, o, g, node.attrs["scale"])
+
+
+@kernel("causal_attention_keep")
+def causal_attention_keep(node, q, k, v):
+    s = _attention_scores(q, k, node.attrs["scale"])
+    e = np.exp(s - np.max(s, axis=-1, keepdims=True))
+    l = np.sum(e, axis=-1, keepdims=True)
+    blocks = [e[..., r0:r1, :r1].reshape(-1) for r0, r1 in attention_query_blocks(q.shape[-2], node.attrs["query_block"])]
+    return np.concatenate([np.matmul(e / l, v).reshape(-1), *blocks, l.reshape(-1)])
+
+
+@kernel("causal_attention_backward_kept")
+def causal_attention_backward_kept(node, q, k, v, o, e, l, g):
+    p, at = np.zeros(q.shape[:-1] + q.shape[-2:-1], q.dtype), 0
+    for r0, r1 in attention_query_blocks(q.shape[-2], node.attrs["query_block"]):
+        rows = p[..., r0:r1, :r1]
+        rows[...] = e[at:at + rows.size].reshape(rows.shape)
+        at += rows.size
+    return _attention_gradients(p / l, q, k, v, o, g, node.attrs["scale"])
 
 
 @kernel("dropout")

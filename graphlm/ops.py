@@ -1063,12 +1063,16 @@ def _attention_probs(q, k, scale):
     return softmax(causal_mask((q @ swapaxes(k, -1, -2)) * scale), -1)
 
 
-def _attention_backward_decompose(q, k, v, o, g, scale):
-    """[dq, dk, dv] stacked; dS = P*(g @ v^T - rowsum(g*o)) * scale (rowsum(g*o) = rowsum(P*dP))."""
-    p = _attention_probs(q, k, scale)
+def _attention_backward_from(p, q, k, v, o, g, scale):
+    """[dq, dk, dv] stacked from the probabilities p: dS = P*(g @ v^T - rowsum(g*o)) * scale
+    (rowsum(g*o) = rowsum(P*dP))."""
     ds = p * (g @ swapaxes(v, -1, -2) - sum(g * o, -1, keepdims=True)) * scale
     grads = (ds @ k, swapaxes(ds, -1, -2) @ q, swapaxes(p, -1, -2) @ g)
     return concat([reshape(d, (1,) + q.shape) for d in grads], axis=0)
+
+
+def _attention_backward_decompose(q, k, v, o, g, scale):
+    return _attention_backward_from(_attention_probs(q, k, scale), q, k, v, o, g, scale)
 
 
 def _attention_vjp(y, g):
@@ -1093,6 +1097,101 @@ def causal_attention(q, k, v, scale: float | None = None) -> Tensor:
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape and q.shape[-1] else 1.0
     return apply("causal_attention", (q, k, v), scale=float(scale))
+
+
+# --- causal_attention_keep / causal_attention_backward_kept: attention keeps E and l ---------------
+# What a causal attention keeps for its backward (made by graphlm/passes/kept_values.py): the
+# unnormalised scores E = exp(s - rowmax(s)) of s = causal_mask(q @ k^T * scale) and their row
+# sums l, so P = E / l. E is kept in query blocks of about `query_block` rows (an attribute;
+# ATTENTION_QUERY_BLOCK by default): block [r0, r1) holds the rows r0..r1-1 and the keys [0, r1)
+# only, so the scores above the block diagonal are never stored; the blocks lie one after the
+# other, each block of all the [..., T, D] matrices one C-ordered [..., r1 - r0, r1] array (the
+# layout the numpy executor's blocked kernel computes them in, executors/numpy/attention.py).
+ATTENTION_QUERY_BLOCK = 64
+
+
+def attention_query_blocks(t: int, query_block: int | None = None) -> list[tuple[int, int]]:
+    """The query blocks [r0, r1) of T rows: round(T / query_block) blocks (at least one) as even
+    as possible (`query_block` defaults to ATTENTION_QUERY_BLOCK, read at each call)."""
+    n = _pymax(1, round(t / (query_block or ATTENTION_QUERY_BLOCK)))
+    bounds = sorted({t * i // n for i in range(n + 1)})
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def attention_score_size(t: int, query_block: int | None = None) -> int:
+    """Score elements kept per matrix: those of the query blocks on and below the diagonal."""
+    return _pysum((r1 - r0) * r1 for r0, r1 in attention_query_blocks(t, query_block))
+
+
+def causal_attention_keep_layout(shape, query_block: int | None = None) -> list[tuple[str, int, int, tuple[int, ...]]]:
+    """The parts of causal_attention_keep's flat output for q of `shape` [..., T, D], in order:
+    (name, start, stop, shape) of y [..., T, D], E (flat, the query blocks one after the other)
+    and l [..., T, 1]."""
+    shape = tuple(shape)
+    lead, t = shape[:-2], shape[-2]
+    m = int(np.prod(lead, dtype=np.int64))
+    n, e = m * t * shape[-1], m * attention_score_size(t, query_block)
+    return [("y", 0, n, shape), ("e", n, n + e, (e,)), ("l", n + e, n + e + m * t, lead + (t, 1))]
+
+
+def _attention_kept_scores(q, k, scale):
+    """E = exp(s - rowmax(s)) of the masked scores s, every pair (the masked ones 0), and l."""
+    s = causal_mask((q @ swapaxes(k, -1, -2)) * scale)
+    e = exp(s - max(s, -1, keepdims=True))
+    return e, sum(e, -1, keepdims=True)
+
+
+def _attention_keep_decompose(q, k, v, scale, query_block):
+    e, l = _attention_kept_scores(q, k, scale)
+    lead = (_pyslice(None),) * (q.ndim - 2)
+    blocks = [reshape(slice(e, lead + (_pyslice(r0, r1), _pyslice(0, r1))), (-1,))
+              for r0, r1 in attention_query_blocks(q.shape[-2], query_block)]
+    return concat([reshape((e / l) @ v, (-1,)), *blocks, reshape(l, (-1,))], 0)
+
+
+def _attention_probs_from_kept(e, l, shape, query_block):
+    """P = E / l [..., T, T] from the kept blocks of E (zeros right of each block's keys)."""
+    lead, t = tuple(shape[:-2]), shape[-2]
+    rows, at = [], 0
+    for r0, r1 in attention_query_blocks(t, query_block):
+        size = int(np.prod(lead, dtype=np.int64)) * (r1 - r0) * r1
+        block = reshape(slice(e, (_pyslice(at, at + size),)), lead + (r1 - r0, r1))
+        if r1 < t:
+            block = concat([block, broadcast_to(lift(0.0, e), lead + (r1 - r0, t - r1))], -1)
+        rows.append(block)
+        at += size
+    return (concat(rows, -2) if len(rows) > 1 else rows[0]) / l
+
+
+def _attention_backward_kept_decompose(q, k, v, o, e, l, g, scale, query_block):
+    return _attention_backward_from(_attention_probs_from_kept(e, l, q.shape, query_block),
+                                    q, k, v, o, g, scale)
+
+
+def _infer_attention_keep(inputs, attrs):
+    shape, dtype = _infer_attention(inputs, attrs)
+    return (causal_attention_keep_layout(shape, attrs["query_block"])[-1][2],), dtype
+
+
+def _infer_attention_backward_kept(inputs, attrs):
+    q, k, v, o, e, l, g = inputs
+    shape, dtype = _infer_attention_backward([q, k, v, o, g], attrs)
+    _, (_, _, _, e_shape), (_, _, _, l_shape) = causal_attention_keep_layout(q.shape, attrs["query_block"])
+    for name, t, want in (("kept scores E", e, e_shape), ("kept row sums l", l, l_shape)):
+        if t.shape != want:
+            raise ShapeError(f"{name} {fmt_shape(t.shape)} must be {fmt_shape(want)} for q {fmt_shape(q.shape)} "
+                             f"in query blocks of {attrs['query_block']}")
+    return shape, _same_dtype(inputs)
+
+
+register("causal_attention_keep", _infer_attention_keep, decompose=_attention_keep_decompose,
+         doc="causal_attention(q, k, v) with what its backward reads, flat: [y, E = exp(s - rowmax) "
+             "in query blocks, l = rowsum(E)] (causal_attention_keep_layout; each part a view)",
+         vjp_doc="through its decomposition")
+register("causal_attention_backward_kept", _infer_attention_backward_kept,
+         decompose=_attention_backward_kept_decompose,
+         doc="causal_attention_backward(q, k, v, o, g) from the kept E and l (P = E / l): [dq, dk, dv]",
+         vjp_doc="through its decomposition")
 
 
 # --- dropout ---------------------------------------------------------------------------------------

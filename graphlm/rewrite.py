@@ -1,16 +1,19 @@
-"""Copying a graph node by node, with two rewrites: a dtype change and decomposing ops.
+"""Copying a graph with two rewrites, a dtype change and decomposing ops, as passes of the one
+driver (graphlm/passes/rewrite.py: rule tables, `rewrite`).
 
-Nodes are immutable, so a graph changes by copying: `copy_graph` re-applies every node the
-outputs need, in creation order, through the op registry (so each copied node's shape and dtype
-are inferred again by its op's rule), keeping names, scopes and backward flags.
+Nodes are immutable, so a graph changes by copying: `copy_graph` runs one pass over every node
+the outputs need, in creation order; a node no rule replaces is copied with its name, scope and
+backward flag, its shape and dtype inferred again by its op's rule where an input's changed.
 
-- ``dtypes={float32: float64}`` is a graph-level dtype change: leaves, consts and ``dtype``
-  attributes (casts, one_hot, dropout masks) of one dtype become the other, and every other node
-  follows from its op's rule. `graphlm.testing` checks a float32 function's gradients on the
-  float64 copy of its graph, so the function is written once.
-- ``expand=pred`` replaces each node for which ``pred(node)`` holds by its op's decomposition
-  (``OpDef.decompose``), built in the node's scope. Executors use it for ops that have a
-  decomposition but no kernel (a custom op registered with only ``decompose=``).
+- ``dtypes={float32: float64}`` (`dtype_change`) is a graph-level dtype change: leaves, consts
+  and ``dtype`` attributes (casts, one_hot, dropout masks) of one dtype become the other, and
+  every other node follows from its op's rule. `graphlm.testing` checks a float32 function's
+  gradients on the float64 copy of its graph, so the function is written once.
+- ``expand=pred`` (`decompositions`) replaces each node for which ``pred(node)`` holds by its
+  op's decomposition (``OpDef.decompose``), built in the node's scope. Executors use it for ops
+  that have a decomposition but no kernel (a custom op registered with only ``decompose=``).
+- ``leaves_as_inputs`` makes params and states inputs of the same names (a gradient check
+  varies them).
 """
 from __future__ import annotations
 
@@ -19,21 +22,71 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from .ir import LEAF_OPS, Graph, GraphError, Tensor, fmt_shape
-from .registry import REGISTRY, apply
+from .ops import PASS_ATTRS
+from .passes.rewrite import ANY, Pass, Rule, needed, rewrite
+from .registry import REGISTRY
+
+ancestors = needed   # every node the outputs depend on (themselves included), in creation order
 
 
-def ancestors(outputs: Sequence[Tensor]) -> list[Tensor]:
-    """Every node the outputs depend on (themselves included), in creation order."""
-    graph = outputs[0].graph
-    seen: set[int] = set()
-    stack = list(outputs)
-    while stack:
-        n = stack.pop()
-        if n.id in seen:
-            continue
-        seen.add(n.id)
-        stack.extend(i for i in n.inputs if i.id not in seen)
-    return [graph.nodes[i] for i in sorted(seen)]
+def _dtype_map(dtypes: Mapping | None) -> dict[np.dtype, np.dtype]:
+    return {np.dtype(k): np.dtype(v) for k, v in (dtypes or {}).items()}
+
+
+def _mapped_attrs(node: Tensor, dmap) -> dict:
+    """The node's attributes with a ``dtype`` attribute changed by `dmap`."""
+    attrs = dict(node.attrs)
+    if "dtype" in attrs:
+        d = np.dtype(attrs["dtype"])
+        attrs["dtype"] = dmap.get(d, d).str
+    return attrs
+
+
+def dtype_change(dtypes: Mapping, leaves_as_inputs: bool = False) -> tuple[Rule, ...]:
+    """The rules of a graph-level dtype change (``{np.float32: np.float64}``); with
+    `leaves_as_inputs`, params and states become inputs of the same names too."""
+    dmap = _dtype_map(dtypes)
+
+    def leaf(node, ctx):
+        kind = "input" if leaves_as_inputs else node.op
+        dtype = dmap.get(node.dtype, node.dtype)
+        if kind == node.op and dtype == node.dtype:
+            return None
+        return getattr(ctx.graph, kind)(node.name, node.shape, dtype)
+
+    def const(node, ctx):
+        value = node.attrs["value"]
+        return ctx.graph.const(value.astype(dmap[value.dtype])) if value.dtype in dmap else None
+
+    def dtype_attribute(node, ctx):
+        if "dtype" not in node.attrs or np.dtype(node.attrs["dtype"]) not in dmap:
+            return None
+        return ctx.copy(node, _mapped_attrs(node, dmap))
+
+    return (Rule("leaves", ("input", "param", "state"), leaf), Rule("consts", ("const",), const),
+            Rule("dtype attributes", (ANY,), dtype_attribute))
+
+
+def decompositions(expand: Callable[[Tensor], bool], dtypes: Mapping | None = None) -> tuple[Rule, ...]:
+    """The rule replacing each node with ``expand(node)`` by its op's decomposition (on the
+    node's attributes as `dtypes` changes them). One that does not give the node's shape and
+    (mapped) dtype is a GraphError naming the op."""
+    dmap = _dtype_map(dtypes)
+
+    def decompose(node, ctx):
+        if not expand(node):
+            return None
+        attrs = {k: v for k, v in _mapped_attrs(node, dmap).items() if k not in PASS_ATTRS}
+        out = REGISTRY[node.op].decompose(*[ctx.new(i) for i in node.inputs], **attrs)
+        want = dmap.get(node.dtype, node.dtype)
+        if not isinstance(out, Tensor) or out.shape != node.shape or out.dtype != want:
+            got = f"{fmt_shape(out.shape)} {out.dtype}" if isinstance(out, Tensor) else type(out).__name__
+            raise GraphError(f"the decomposition of op '{node.op}' ({node.label} in "
+                             f"{node.scope or '<root>'}) gave {got}, but the op's shape rule "
+                             f"says {fmt_shape(node.shape)} {want}")
+        return out
+
+    return (Rule("decomposition", (ANY,), decompose),)
 
 
 def copy_graph(outputs: Sequence[Tensor], *, dtypes: Mapping | None = None,
@@ -47,43 +100,12 @@ def copy_graph(outputs: Sequence[Tensor], *, dtypes: Mapping | None = None,
     params and states inputs of the same names (fed per run: a gradient check varies them).
     """
     outputs = list(outputs)
-    src = outputs[0].graph
-    dmap = {np.dtype(k): np.dtype(v) for k, v in (dtypes or {}).items()}
-    g = Graph(name or src.name)
-    new: dict[int, Tensor] = {}
-
-    def dt(d) -> np.dtype:
-        return dmap.get(np.dtype(d), np.dtype(d))
-
-    for n in ancestors(outputs):
-        with (g.backward_context(n.scope) if n.is_backward else g.scope(n.scope)):
-            if n.op in ("input", "param", "state"):
-                kind = "input" if leaves_as_inputs else n.op
-                new[n.id] = getattr(g, kind)(n.name, n.shape, dt(n.dtype))
-                continue
-            if n.op == "const":
-                value = n.attrs["value"]
-                new[n.id] = g.const(value.astype(dt(value.dtype)))
-                continue
-            ins = [new[i.id] for i in n.inputs]
-            attrs = dict(n.attrs)
-            if "dtype" in attrs:
-                attrs["dtype"] = dt(attrs["dtype"]).str
-            if expand is not None and expand(n):
-                out = REGISTRY[n.op].decompose(*ins, **attrs)
-                if not isinstance(out, Tensor) or out.shape != n.shape or out.dtype != dt(n.dtype):
-                    got = (f"{fmt_shape(out.shape)} {out.dtype}" if isinstance(out, Tensor)
-                           else type(out).__name__)
-                    raise GraphError(f"the decomposition of op '{n.op}' ({n.label} in "
-                                     f"{n.scope or '<root>'}) gave {got}, but the op's shape rule "
-                                     f"says {fmt_shape(n.shape)} {dt(n.dtype)}")
-                new[n.id] = out
-            else:
-                new[n.id] = apply(n.op, ins, **attrs)
-    for back, fwd in src.forward_partner.items():   # which forward node's VJP made each node
-        if back.id in new and fwd.id in new and back.id >= 0 and fwd.id >= 0:
-            g.forward_partner[new[back.id]] = new[fwd.id]
-    return g, new
+    dmap = _dtype_map(dtypes)
+    rules = (decompositions(expand, dmap) if expand is not None else ()) + \
+        (dtype_change(dmap, leaves_as_inputs) if dmap or leaves_as_inputs else ())
+    done = rewrite(outputs[0].graph, outputs, Pass("copy", rules, dtypes=tuple(dmap.items())),
+                   copy=True, name=name)
+    return done.graph, done.replaced
 
 
 def expand_decompositions(outputs: Sequence[Tensor], has_kernel: Callable[[str], bool],

@@ -204,7 +204,7 @@ def test_causal_attention_in_query_blocks_matches_reference(monkeypatch, query_b
     float32, 1e-12 in float64); the unpaired backward (recomputing E) equals the paired one
     bit for bit; the NaN-poisoned arena shows no masked score is read; only the blocks on and
     below the diagonal are kept from forward to backward."""
-    monkeypatch.setattr(attention, "ATTENTION_QUERY_BLOCK", query_block)
+    monkeypatch.setattr(gl.ops, "ATTENTION_QUERY_BLOCK", query_block)
     monkeypatch.setattr(attention, "ATTENTION_CHUNK", chunk)
     monkeypatch.setattr(pool, "MIN_SPLIT_FLOPS", 0)
     shape = (2, 3, 37, 8)
@@ -226,10 +226,51 @@ def test_causal_attention_in_query_blocks_matches_reference(monkeypatch, query_b
     # the unpaired backward read the reference's o; on the numpy output it equals the paired one
     again = NUMPY.compile(g, [alone], poison=True).run(dict(feeds, o=got[0]))[0]
     assert again.tobytes() == paired.tobytes()
-    blocks = attention.query_blocks(37)
+    blocks = gl.ops.attention_query_blocks(37)
     assert len(blocks) == max(1, round(37 / query_block))
     kept = sum((r1 - r0) * r1 for r0, r1 in blocks) + 37   # E's blocks and the row sums l
     assert prog.kept_bytes() == kept * 6 * np.dtype(dtype).itemsize
+
+
+def test_kept_attention_scores_change_no_bit_of_a_training_step(monkeypatch):
+    """Two AdamW steps of a small GPT with the attention's kept E and l (the numpy pipeline) and
+    without (the same pipeline minus those two rules: the backward recomputes E and l): the
+    losses, norms and every parameter and moment agree bit for bit; keeping E and l costs at
+    most their bytes of arena."""
+    from graphlm.models import GPT, GPTConfig
+    from graphlm.optim import AdamW
+    from graphlm.passes import PIPELINES, Pass
+    from graphlm.passes.kept_values import KEPT_VALUES
+    monkeypatch.setattr(gl.ops, "ATTENTION_QUERY_BLOCK", 8)   # 4 query blocks at T = 32
+    plain = Pass("kept_values", tuple(r for r in KEPT_VALUES.rules if "attention" not in r.name))
+
+    class Recomputing(numpy_executor.NumpyProgram):
+        pipeline = tuple(plain if p is KEPT_VALUES else p for p in PIPELINES["numpy"])
+
+    cfg = GPTConfig(vocab_size=13, context_length=32, channels=32, head_count=2, layer_count=1, dropout=0.1)
+    model = GPT(cfg)
+    model.train()
+    g, loss = model.loss_graph(2, name="kept_step")
+    opt = AdamW(lr=1e-2, weight_decay=0.1, clip_norm=0.5)
+    step = opt.minimize(loss)
+    results = []
+    for program in (numpy_executor.NumpyProgram, Recomputing):
+        prog = program(g, [loss, step.grad_norm, step.update])
+        ops = [n.op for n in prog.run_nodes]
+        assert ops.count("causal_attention_keep") == (program is not Recomputing)
+        state = {**model.init(seed=3), **opt.init_state()}
+        rng = np.random.default_rng(8)
+        out = []
+        for s in range(2):
+            feeds = {"tokens": rng.integers(0, 13, (2, 32)), "targets": rng.integers(0, 13, (2, 32)),
+                     "dropout_key": np.asarray(100 + s, np.int64), **opt.feeds(s)}
+            out += [a.tobytes() for a in prog.run(feeds, state)[:2]]
+        results.append((out, {k: v.tobytes() for k, v in state.items()}, prog.plan.arena_bytes, prog.kept_bytes()))
+    kept, recomputed = results
+    assert kept[0] == recomputed[0] and kept[1] == recomputed[1]
+    e_and_l = 2 * 2 * (8 * (8 + 16 + 24 + 32) + 32) * 4   # B * H * (the kept score blocks + l), float32
+    assert kept[3] - recomputed[3] == e_and_l
+    assert kept[2] <= recomputed[2] + e_and_l   # E and l outlive the forward: at most their bytes more
 
 
 def test_rounds_like_reference_is_false_only_with_a_kernel_that_rounds_its_own_way():
@@ -411,7 +452,7 @@ def split_everything(monkeypatch):
     monkeypatch.setattr(dropout, "_MASK_CHUNK", 64)
     monkeypatch.setattr(optimizer, "_ADAMW_CHUNK", 100)
     monkeypatch.setattr(tiling, "BLOCK", 500)
-    monkeypatch.setattr(attention, "ATTENTION_QUERY_BLOCK", 8)   # 4 query blocks at T = 32
+    monkeypatch.setattr(gl.ops, "ATTENTION_QUERY_BLOCK", 8)   # 4 query blocks at T = 32
     monkeypatch.setattr(attention, "ATTENTION_CHUNK", 100)       # one matrix per run
 
 

@@ -26,7 +26,7 @@ from scipy import special
 
 from graphlm import executors
 import graphlm as gl
-from graphlm.ops import layer_norm_keep_layout, normalize_index
+from graphlm.ops import attention_query_blocks, causal_attention_keep_layout, layer_norm_keep_layout, normalize_index
 from graphlm.random import counter_uniform, dropout_keep_scale
 from graphlm.registry import REGISTRY, apply
 from graphlm.testing import assert_close, build, check_grads, feeds_of, run
@@ -303,6 +303,43 @@ def _layer_norm_backward_kept(x, w, g):
     return apply("layer_norm_backward_kept", (parts["xc"], parts["sv"], w, g), eps=1e-5, has_weight=True)
 
 
+def _attention_keep_parts(q, k, scale, xp):
+    """E = exp(s - rowmax) of the masked scores and l = rowsum(E), in NumPy or torch (`xp`)."""
+    s = q @ xp.swapaxes(k, -1, -2) * scale
+    t = s.shape[-1]
+    if xp is np:
+        s = np_causal_mask(s)
+        e = np.exp(s - s.max(-1, keepdims=True))
+        return e, e.sum(-1, keepdims=True)
+    s = t_causal_mask(s)
+    e = torch.exp(s - s.amax(-1, keepdim=True))
+    return e, e.sum(-1, keepdim=True)
+
+
+def _attention_keep_ref(q, k, v, scale, query_block, xp):
+    """causal_attention_keep's flat output: y, E's query blocks (keys [0, r1) of rows [r0, r1)), l."""
+    e, l = _attention_keep_parts(q, k, scale, xp)
+    blocks = [e[..., r0:r1, :r1].reshape(-1) for r0, r1 in attention_query_blocks(q.shape[-2], query_block)]
+    cat = np.concatenate if xp is np else torch.cat
+    return cat([((e / l) @ v).reshape(-1), *blocks, l.reshape(-1)])
+
+
+def _attention_keep(q, k, v, scale=0.6, query_block=2):
+    return apply("causal_attention_keep", (q, k, v), scale=scale, query_block=query_block)
+
+
+def _attention_backward_kept(q, k, v, g, scale=0.6, query_block=2):
+    """causal_attention_backward_kept(q, k, v, y, E, l, g) on the parts of a causal_attention_keep."""
+    flat = _attention_keep(q, k, v, scale, query_block)
+    parts = {name: gl.reshape(flat[a:b], shape) for name, a, b, shape in causal_attention_keep_layout(q.shape, query_block)}
+    return apply("causal_attention_backward_kept", (q, k, v, parts["y"], parts["e"], parts["l"], g),
+                 scale=scale, query_block=query_block)
+
+
+ATTENTION_KEEP = [(2, 2, 5, 3), (6, 3), (1, 1)]   # query blocks of 2 rows: 2 (uneven), 3 and 1 blocks
+# (E = exp(s - rowmax) has a kink where a row max ties: these inputs have no near tie)
+
+
 CASES = [
     # -- elementwise binary, with broadcasting -------------------------------------------------
     Case("add", gl.add, binary(F, F), np.add, lambda a, b: torch.add(a, b)),
@@ -521,6 +558,12 @@ CASES = [
     Case("layer_norm_backward_kept", _layer_norm_backward_kept,
          [(F(*s), F(s[-1]), F(*s)) for s in NORM], np_layer_norm_backward,
          lambda x, w, g: tvjp(lambda t: TF.layer_norm(t, t.shape[-1:], w, eps=1e-5), x, g), fd_tol=1e-5),
+    Case("causal_attention_keep", _attention_keep, [(F(*s), F(*s), F(*s)) for s in ATTENTION_KEEP],
+         lambda q, k, v: _attention_keep_ref(q, k, v, 0.6, 2, np), lambda q, k, v: _attention_keep_ref(q, k, v, 0.6, 2, torch)),
+    Case("causal_attention_backward_kept", _attention_backward_kept,
+         [(F(*s), F(*s), F(*s), F(*s)) for s in ATTENTION_KEEP],
+         lambda q, k, v, g: np_causal_attention_backward(q, k, v, g, 0.6),
+         lambda q, k, v, g: t_causal_attention_backward(q, k, v, g, 0.6)),
     Case("dropout_keep", lambda k: apply("dropout_keep", (k,), p=0.25, stream=3, shape=(4, 5)),
          [(KEY(),)], lambda k: counter_uniform(int(k), 3, (4, 5)) >= np.float32(0.25),
          lambda k: torch.from_numpy(counter_uniform(int(k), 3, (4, 5)) >= np.float32(0.25)), fd=False, grad=False),

@@ -13,6 +13,7 @@ from graphlm.passes.dropout_masks import DROPOUT_MASKS
 from graphlm.passes.kept_values import KEPT_VALUES
 from graphlm.passes.matmul_sum import MATMUL_SUM
 from graphlm.passes.slice_gradients import SLICE_GRADIENTS
+from graphlm.testing import assert_close
 
 REF = executors.get("reference")
 
@@ -179,6 +180,57 @@ def test_a_layer_norm_keeps_its_statistics_as_tensors(dtype):
         assert a.tobytes() == b_.tobytes()
     prog = executors.get("numpy").compile(g, [y, gx, gw, gb])
     assert {prog.plan.entries[t.id].kind for t in (xc, sv)} == {"view"}   # parts of layer_norm_keep's buffer
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_a_causal_attention_keeps_its_scores_as_tensors(monkeypatch, dtype):
+    """causal_attention + its backward -> causal_attention_keep (flat: y, E in query blocks, l;
+    views) + causal_attention_backward_kept(q, k, v, y, E, l, g), on the reference executor
+    within the attention tolerance; a backward of another forward output is left alone."""
+    monkeypatch.setattr(gl.ops, "ATTENTION_QUERY_BLOCK", 3)   # T = 7: two query blocks, [0, 3) and [3, 7)
+    shape = (2, 2, 7, 4)
+    g = gl.Graph("att")
+    q, k, v, u = (g.input(n, shape, dtype) for n in "qkvu")
+    y = gl.causal_attention(q, k, v)
+    gq, gk, gv = gl.grad(gl.sum(y * u), [q, k, v])
+    o = g.input("o", shape, dtype)   # a backward on a fed output: no forward to keep for it
+    alone = gl.registry.apply("causal_attention_backward", (q, k, v, o, u), scale=y.attrs["scale"])
+    rng = np.random.default_rng(7)
+    feeds = {n: rng.standard_normal(shape).astype(dtype) for n in "qkvuo"}
+    rw, got, want = both(g, [y, gq, gk, gv, alone], KEPT_VALUES, feeds)
+    ops = ops_of(rw.graph)
+    assert ops.count("causal_attention_keep") == 1 and ops.count("causal_attention_backward_kept") == 1
+    assert "causal_attention" not in ops and ops.count("causal_attention_backward") == 1   # `alone`
+    (keep,) = [n for n in rw.graph.nodes if n.op == "causal_attention_keep"]
+    (back,) = [n for n in rw.graph.nodes if n.op == "causal_attention_backward_kept"]
+    assert keep.attrs["query_block"] == back.attrs["query_block"] == 3 and not keep.is_backward
+    yk, e, l = back.inputs[3:6]
+    assert e.attrs["kept"] and l.attrs["kept"] and not yk.attrs.get("kept")
+    assert e.shape == (4 * (3 * 3 + 4 * 7),) and l.shape == (2, 2, 7, 1)   # blocks on and below the diagonal
+    assert rw.outputs[0] is yk
+    tol = 1e-6 if dtype == "float32" else 1e-12
+    for a, b, what in zip(got, want, ["y", "dq", "dk", "dv", "alone"]):
+        assert_close(a, b, tol, tol, what)
+    prog = executors.get("numpy").compile(g, [gq, gk, gv])   # (y not an output: its buffer is the arena's)
+    (keep,) = [n for n in prog.graph.nodes if n.op == "causal_attention_keep"]
+    (back,) = [n for n in prog.graph.nodes if n.op == "causal_attention_backward_kept"]
+    e, l = back.inputs[4:6]
+    assert {prog.plan.entries[t.id].kind for t in (e, l)} == {"view"}   # parts of causal_attention_keep's buffer
+    assert prog.kept_bytes() == prog.plan.kept_bytes == e.nbytes + l.nbytes
+    block = next(b for b in prog.plan.blocks if b.owner == keep.id and not b.scratch)
+    assert prog.plan.kept_in(block) == e.nbytes + l.nbytes
+    assert block.last == prog.plan.schedule.index(back.id)   # E and l live until the backward reads them
+
+
+def test_a_causal_attention_without_its_own_backward_keeps_nothing():
+    g = gl.Graph("att_fwd")
+    q, k, v = (g.input(n, (3, 5, 2)) for n in "qkv")
+    y = gl.causal_attention(q, k, v)
+    y2 = gl.causal_attention(q, k, v, scale=0.3)
+    # the backward of y2's op read with y's output: not y2's own, and y has no backward of its own
+    other = gl.registry.apply("causal_attention_backward", (q, k, v, y, y), scale=0.3)
+    rw = passes.rewrite(g, [y, y2, other], KEPT_VALUES)
+    assert rw.graph is g
 
 
 def test_the_numpy_pipeline_runs_on_reference_and_numpy_alike():

@@ -67,3 +67,23 @@ def test_a_decomposition_of_the_wrong_shape_is_an_error_naming_the_op():
             copy_graph([y], expand=lambda n: n.op == "bad_decomposition")
     finally:
         gl.unregister_op("bad_decomposition")
+
+
+def test_copies_are_passes_of_the_one_driver():
+    """copy_graph's dtype change is a rule table the pass driver runs: the same graph either way;
+    a copy with nothing to change is still a new graph (a caller may add nodes to it)."""
+    from graphlm import passes
+    from graphlm.rewrite import dtype_change
+    g, outputs = small_graph()
+    to64 = passes.Pass("to float64", dtype_change({np.float32: np.float64}),
+                       dtypes=((np.dtype(np.float32), np.dtype(np.float64)),))
+    rw = passes.rewrite(g, outputs, to64)
+    g64, new = copy_graph(outputs, dtypes={np.float32: np.float64})
+    assert [(n.op, n.name, n.shape, n.dtype, n.scope) for n in rw.graph.nodes] == \
+        [(n.op, n.name, n.shape, n.dtype, n.scope) for n in g64.nodes]
+    pairs = lambda graph: {(b.id, f.id) for b, f in graph.forward_partner.items()}
+    assert pairs(rw.graph) == pairs(g64) and pairs(g64)
+    same, new = copy_graph(outputs)
+    assert same is not g and [n.op for n in same.nodes] == [n.op for n in g.nodes if n.id in new]
+    with pytest.raises(gl.GraphError, match=r"pass to float64, rule leaves: replaced input x"):
+        passes.rewrite(g, outputs, passes.Pass("to float64", to64.rules))   # the pass must declare its dtype change

@@ -134,6 +134,11 @@ def test_stats_counts_agree_with_the_graph(capsys):
 
 
 # -- plan --------------------------------------------------------------------------------------------------
+def graph_of_plan(program):
+    """The nodes a program planned (its graph after the executor's passes)."""
+    return [program.graph.nodes[nid] for nid in program.plan.schedule]
+
+
 def test_plan_report_and_pictures(capsys, tmp_path):
     pytest.importorskip("matplotlib")
     from graphlm import executors
@@ -151,20 +156,27 @@ def test_plan_report_and_pictures(capsys, tmp_path):
     assert f"({plan.arena_bytes:,} bytes)" in out
     assert re.search(rf"in place +{plan.inplace_count} ", out)
     assert re.search(rf"views +{plan.view_count} ", out)
+    kept = [n for n in graph_of_plan(executors.get(default_executor()).compile(graph, outputs)) if n.attrs.get("kept")]
+    assert kept and plan.kept_bytes == sum(n.nbytes for n in kept)   # layer norm, GELU, attention
+    assert re.search(rf"kept values +{plan.kept_bytes / 2**20:,.2f} MiB +\({len(kept)} tensors", out)
     root = ET.parse(tmp_path / "arena.svg").getroot()
     groups = {g.get("id"): g for g in root.iter(f"{SVG}g") if g.get("id")}
     drawn = sum(e.kind in ("arena", "inplace") for e in plan.entries.values()) + \
         sum(b.scratch for b in plan.blocks if b.nbytes)
     assert len(list(groups["buffers"])) == drawn                 # one rectangle per buffer
+    in_arena = [n for n in kept if plan.entries[n.id].offset is not None]
+    assert len(list(groups["kept"])) == len(in_arena) > 0       # one hatched rectangle per kept value
     assert len(list(groups["live"].iter(f"{SVG}path"))) == 1     # the bytes-live line
     texts = [t.text for t in root.iter(f"{SVG}text")]
     assert "bytes live" in texts and "ran in place" in texts and "forward buffer" in texts
+    assert any(t and t.startswith("kept value (") for t in texts)
     assert "optimizer update buffer" not in texts                # only kinds that occur
     assert not any(t and "1000" in t for t in texts)             # ticks in whole units
     code, out, _ = run(capsys, "plan", "--config", SMALL, "--batch-size", "2", "--json")
     data = json.loads(out)
     assert data["arena_bytes"] == plan.arena_bytes and data["naive_bytes"] == plan.naive_bytes
     assert data["naive_over_arena"] == pytest.approx(plan.naive_bytes / plan.arena_bytes)
+    assert data["kept_bytes"] == plan.kept_bytes and data["kept_count"] == len(kept)
     # PNG and PDF come from the same drawing, no Graphviz needed
     for name, magic in (("arena.png", b"\x89PNG"), ("arena.pdf", b"%PDF")):
         code, _, _ = run(capsys, "plan", "--config", SMALL, "--out", str(tmp_path / name))

@@ -229,7 +229,8 @@ def matmul_flops(graph: Graph, kinds=("forward", "backward")) -> dict[str, int]:
     """The FLOPs of the graph's matrix products, counted from node shapes, by node kind: matmul
     nodes, and the products inside fused causal attention (2 forward, 4 backward, each
     2*T*T*D per matrix, full T x T as in `flops_per_token`)."""
-    attention_products = {"causal_attention": 2, "causal_attention_backward": 4}
+    attention_products = {"causal_attention": 2, "causal_attention_keep": 2, "causal_attention_backward": 4,
+                          "causal_attention_backward_kept": 4}
     out = {k: 0 for k in kinds}
     for n in graph.nodes:
         kind = node_kind(n)

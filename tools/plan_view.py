@@ -8,7 +8,9 @@ The picture puts the schedule step on the x axis and the byte offset in the aren
 axis: every buffer is a rectangle from the step that writes it to the last step that reads it,
 over the bytes it occupies, coloured by the kind of node that owns it (forward, backward,
 optimizer update; kernel scratch in grey). Nodes that ran in place are drawn with a dark edge
-where they take over their input's rectangle. A line shows the bytes live at each step, whose
+where they take over their input's rectangle. Kept values (what a forward keeps for its
+backward, tensors a graph pass marked ``attrs["kept"]``) are hatched over the bytes they take,
+from the step that makes them to their last reader. A line shows the bytes live at each step, whose
 peak is the plan's lower bound, so the gap between that line and the top of the arena is what
 the placement wasted.
 """
@@ -23,6 +25,7 @@ from .stats import node_kind
 DRAWN_KINDS = ("arena", "inplace")
 COLOURS = {"forward": "#8fb3de", "backward": "#e59a8c", "update": "#8cc98a", "input": "#c9c9c9",
            "state": "#b9a6dc", "param": "#ffd86b", "const": "#dddddd", "scratch": "#bdbdbd"}
+KEPT_EDGE = "#5a2a82"   # the hatching over kept values
 
 
 def _plan_and_graph(program_or_plan, graph=None):
@@ -37,7 +40,7 @@ def _plan_and_graph(program_or_plan, graph=None):
 
 def plan_report(program_or_plan) -> dict[str, Any]:
     """The plan's numbers: arena, lower bound, naive bytes, their ratios, in-place and view
-    counts, buffers and steps."""
+    counts, kept values, buffers and steps."""
     plan, graph = _plan_and_graph(program_or_plan)
     arena, lower, naive = int(plan.arena_bytes), int(plan.lower_bound_bytes), int(plan.naive_bytes)
     entries = plan.entries.values()
@@ -55,6 +58,8 @@ def plan_report(program_or_plan) -> dict[str, Any]:
         "naive_over_arena": naive / arena if arena else float("inf"),
         "inplace_count": int(plan.inplace_count),
         "view_count": int(plan.view_count),
+        "kept_bytes": int(getattr(plan, "kept_bytes", 0)),
+        "kept_count": len(getattr(plan, "kept", {})),
         "arena_buffers": sum(1 for b in blocks if not getattr(b, "scratch", False)
                              and not getattr(b, "dedicated", False)),
         "scratch_buffers": sum(1 for b in blocks if getattr(b, "scratch", False)),
@@ -74,6 +79,8 @@ def format_plan(report: dict[str, Any]) -> str:
         f"naive/arena       {report['naive_over_arena']:>12.2f}  (memory saved by reuse)",
         f"in place          {report['inplace_count']:>12,}  nodes wrote over a dying input",
         f"views             {report['view_count']:>12,}  nodes share their base's memory",
+        f"kept values       {mib(report['kept_bytes']):>12}  ({report['kept_count']:,} tensors a forward keeps "
+        f"for its backward, inside the arena)",
         f"buffers           {report['arena_buffers']:>12,}  arena blocks, "
         f"{report['scratch_buffers']:,} kernel scratch blocks",
     ]
@@ -101,6 +108,14 @@ def arena_rectangles(program_or_plan, graph=None) -> list[dict[str, Any]]:
         rects.append({"first": int(e.first), "last": int(e.last), "offset": int(e.offset),
                       "nbytes": int(e.nbytes), "kind": kind, "inplace": e.kind == "inplace",
                       "label": label})
+    for nid in getattr(plan, "kept", {}):
+        e = plan.entries.get(nid)
+        if e is None or e.offset is None or e.kind not in DRAWN_KINDS + ("view",):
+            continue   # (an output's kept value lives in its own buffer, outside the arena)
+        node = nodes.get(nid)
+        label = f"kept n{nid} {node.op} {node.label}" if node is not None else f"kept n{nid}"
+        rects.append({"first": int(e.first), "last": int(e.last), "offset": int(e.offset),
+                      "nbytes": int(e.nbytes), "kind": "kept", "inplace": False, "label": label})
     for b in getattr(plan, "blocks", []):
         if getattr(b, "scratch", False) and b.offset is not None and b.nbytes:
             rects.append({"first": int(b.first), "last": int(b.last), "offset": int(b.offset),
@@ -157,12 +172,19 @@ def draw_arena(program_or_plan, graph=None, title: str | None = None):
         x0, x1 = r["first"], r["last"] + 1
         y0, y1 = r["offset"] / unit, (r["offset"] + r["nbytes"]) / unit
         polys.append([(x0, y0), (x1, y0), (x1, y1), (x0, y1)])
-    faces = [COLOURS.get(r["kind"], "#999999") for r in rects]
-    edges = ["#222222" if r["inplace"] else "#ffffff" for r in rects]
-    widths = [0.8 if r["inplace"] else 0.2 for r in rects]
-    buffers = PolyCollection(polys, facecolors=faces, edgecolors=edges, linewidths=widths)
+    kept = [r["kind"] == "kept" for r in rects]
+    faces = [COLOURS.get(r["kind"], "#999999") for r, k in zip(rects, kept) if not k]
+    edges = ["#222222" if r["inplace"] else "#ffffff" for r, k in zip(rects, kept) if not k]
+    widths = [0.8 if r["inplace"] else 0.2 for r, k in zip(rects, kept) if not k]
+    buffers = PolyCollection([p for p, k in zip(polys, kept) if not k], facecolors=faces, edgecolors=edges,
+                             linewidths=widths)
     buffers.set_gid("buffers")
     ax.add_collection(buffers)
+    if any(kept):   # hatched over the buffers that hold them
+        hatched = PolyCollection([p for p, k in zip(polys, kept) if k], facecolors="none",
+                                 edgecolors=KEPT_EDGE, linewidths=0.6, hatch="////")
+        hatched.set_gid("kept")
+        ax.add_collection(hatched)
     blocks = [b for b in getattr(plan, "blocks", []) if not getattr(b, "dedicated", False)]
     profile = live_profile([{"first": b.first, "last": b.last, "nbytes": b.nbytes} for b in blocks]
                            if blocks else rects, steps)
@@ -183,10 +205,14 @@ def draw_arena(program_or_plan, graph=None, title: str | None = None):
     ax.set_title(title or (f"arena {fmt_bytes(report['arena_bytes'])} over {report['steps']:,} steps: "
                            f"lower bound {fmt_bytes(report['lower_bound_bytes'])} "
                            f"(x{report['arena_over_lower_bound']:.3f}), naive "
-                           f"{fmt_bytes(report['naive_bytes'])} (x{report['naive_over_arena']:.2f})"),
+                           f"{fmt_bytes(report['naive_bytes'])} (x{report['naive_over_arena']:.2f}), "
+                           f"kept values {fmt_bytes(report['kept_bytes'])}"),
                  fontsize=11, loc="left")
     present = {r["kind"] for r in rects}
     handles = [Patch(facecolor=COLOURS[k], label=text) for k, text in LEGEND if k in present]
+    if "kept" in present:
+        handles.append(Patch(facecolor="none", edgecolor=KEPT_EDGE, hatch="////",
+                             label=f"kept value ({fmt_bytes(report['kept_bytes'])})"))
     if any(r["inplace"] for r in rects):
         handles.append(Patch(facecolor="#dddddd", edgecolor="#222222", lw=0.8, label="ran in place"))
     if profile:

@@ -215,9 +215,6 @@ def node_label(node: Tensor, folded: list[Tensor], plan=None) -> tuple[str, dict
                 style["fontsize"] = SMALL_FONT
             elif where == "arena":
                 lines.append(f"arena @{offset:,} ({fmt_bytes(nbytes)})")
-            elif where == "fused":
-                lines.append(f"fused into n{_entry_base(entry)} (no buffer)")
-                style["style"] = "rounded,filled,dotted"
             elif where == "output":
                 lines.append(f"output buffer ({fmt_bytes(nbytes)})")
     return "\n".join(lines), style

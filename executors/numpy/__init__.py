@@ -7,7 +7,6 @@ Where things live:
 - table.py: the kernel table `KERNELS`, the `@kernel` decorator and the kernel contract.
 - pool.py: the thread pool (`set_threads`, `get_threads`) and the split thresholds.
 - tiling.py: cutting arrays into per-thread pieces and cache-sized blocks.
-- passes.py: the compile-time rewrites of the run list (fused nodes).
 - kernel families: elementwise.py, movement.py (reductions, copies, gather/scatter), matmul.py,
   norms.py (softmax, layer and RMS norm, cross entropy), attention.py, dropout.py, optimizer.py.
 

@@ -1,16 +1,22 @@
-"""Kernels of the numpy executor: causal attention in query blocks, forward and backward."""
+"""Kernels of the numpy executor: causal attention in query blocks, forward and backward, with
+and without the kept scores E and row sums l (``causal_attention_keep`` and
+``causal_attention_backward_kept``, tensors of the graph made by graphlm/passes/kept_values.py;
+their layout is graphlm.ops.causal_attention_keep_layout)."""
 from __future__ import annotations
 
 import numpy as np
 
+from graphlm.ops import attention_query_blocks, attention_score_size, causal_attention_keep_layout
+
 from . import pool
 from .table import kernel, scalar
-from .tiling import even_cuts, run_blocks
+from .tiling import run_blocks
 
 
 # == causal attention ==================================================================================
 # softmax(causal_mask(q @ k^T * scale)) @ v and its gradient, in query blocks of about
-# ATTENTION_QUERY_BLOCK rows: query block [r0, r1) needs keys [0, r1) only, so the scores above the
+# graphlm.ops.ATTENTION_QUERY_BLOCK rows (graphlm.ops.attention_query_blocks; a kept-scores node
+# names its own in attrs["query_block"]): query block [r0, r1) needs keys [0, r1) only, so the scores above the
 # block diagonal (a quarter of them with two blocks) are never computed, exponentiated or
 # multiplied, nor stored: the scores are kept block after block, block b of all matrices as one
 # contiguous [..., r1 - r0, r1] array (strided sub-blocks would make NumPy's broadcasting passes
@@ -25,25 +31,15 @@ from .tiling import even_cuts, run_blocks
 
 ROUNDS_OWN_WAY = {"causal_attention", "causal_attention_keep", "causal_attention_backward",
                   "causal_attention_backward_kept"}
-ATTENTION_QUERY_BLOCK = 64
 ATTENTION_CHUNK = 1 << 17   # score elements per run of matrices (512 KiB of float32)
 
 
-def query_blocks(t: int) -> list[tuple[int, int]]:
-    return even_cuts(t, max(1, round(t / ATTENTION_QUERY_BLOCK)))
-
-
-def _score_size(t: int) -> int:
-    """Score elements kept per matrix: the blocks on and below the diagonal."""
-    return sum((r1 - r0) * r1 for r0, r1 in query_blocks(t))
-
-
-def _score_blocks(e, lead, t: int) -> list[np.ndarray]:
+def _score_blocks(e, lead, blocks) -> list[np.ndarray]:
     """Views ``[*lead, r1 - r0, r1]`` of the query blocks in a score buffer of ``S * prod(lead)``
     elements, block after block (so a run of matrices of one block is contiguous)."""
     flat, m = e.reshape(-1), int(np.prod(lead, dtype=np.int64))
     views, at = [], 0
-    for r0, r1 in query_blocks(t):
+    for r0, r1 in blocks:
         size = (r1 - r0) * r1 * m
         views.append(flat[at:at + size].reshape(tuple(lead) + (r1 - r0, r1)))
         at += size
@@ -137,61 +133,74 @@ def _attention_gradients(q, k, v, o, g, l, dq, dk, dv, gs, dd, tmp, e, ds, scale
     np.multiply(dk, scale, dk)
 
 
-def _attention_plan(node):
-    t = node.shape[-2]
-    blocks = query_blocks(t)
+def _attention_plan(node, shape):
+    """(query blocks, the diagonal blocks' masks, scale) of an attention node on q of `shape`."""
+    blocks = attention_query_blocks(shape[-2], node.attrs.get("query_block"))
     above = [~np.tri(r1 - r0, r1 - r0, dtype=bool) for r0, r1 in blocks]
     return blocks, above, scalar(node.attrs["scale"], node.dtype)
 
 
-def _scores_specs(shape, dtype, *keep):
+def _scores_specs(shape, dtype, query_block=None):
     """Scratch specs of E ``[*lead, S]`` and l ``[*lead, T, 1]`` for attention of `shape`."""
     lead, t = shape[:-2], shape[-2]
-    return [(lead + (_score_size(t),), dtype, *keep), (lead + (t, 1), dtype, *keep)]
+    return [(lead + (attention_score_size(t, query_block),), dtype), (lead + (t, 1), dtype)]
+
+
+def keep_views(out, node) -> dict:
+    """The parts y, e (flat) and l of a causal_attention_keep node's flat output, as views."""
+    return {name: out[a:b].reshape(shape) for name, a, b, shape in
+            causal_attention_keep_layout(node.inputs[0].shape, node.attrs["query_block"])}
 
 
 def _attention_scratch(node, pos):
-    slot = node.attrs.get("slot")
-    return [(node.shape, node.dtype)] + _scores_specs(node.shape, node.dtype,
-                                                      *([slot.until] if slot else []))
+    """q * scale, and (unless the node keeps them in its output) E and l."""
+    shape = node.inputs[0].shape
+    return [(shape, node.dtype)] + ([] if node.op == "causal_attention_keep" else _scores_specs(shape, node.dtype))
 
 
 @kernel("causal_attention", "causal_attention_keep", scratch=_attention_scratch)
 def build_causal_attention(node, out, ins, scratch, steps=ATTENTION_BLOCK_STEPS):
     q, k, v = ins
-    qs, e, l = scratch
-    if "slot" in node.attrs:   # planned in the arena, live until the backward reads them
-        node.attrs["slot"].e, node.attrs["slot"].l = e, l
-    blocks, above, scale = _attention_plan(node)
-    lead, t = node.shape[:-2], node.shape[-2]
+    if node.op == "causal_attention_keep":   # E and l are parts of the output (kept for the backward)
+        (qs,), parts = scratch, keep_views(out, node)
+        out, e, l = parts["y"], parts["e"], parts["l"]
+    else:
+        qs, e, l = scratch
+    blocks, above, scale = _attention_plan(node, q.shape)
+    lead, t = q.shape[:-2], q.shape[-2]
     body = lambda q, k, v, o, l, qs, *e: _attention_scores(q, k, v, o, l, qs, e, scale, blocks, above, steps)
-    return _attention_closure(body, [q, k, v, out, l, qs, *_score_blocks(e, lead, t)], lead, t,
-                              _attention_flops(node.shape))
+    return _attention_closure(body, [q, k, v, out, l, qs, *_score_blocks(e, lead, blocks)], lead, t,
+                              _attention_flops(q.shape))
 
 
 def _attention_backward_scratch(node, pos):
     shape, dt = node.shape[1:], node.dtype
-    own = [_scores_specs(shape, dt)[0], (shape, dt), (shape[:-1] + (1,), dt), (shape, dt)]  # ds, g/l, dd, tmp
-    if node.op == "causal_attention_backward":   # unpaired: E and l recomputed here
+    qb = node.attrs.get("query_block")
+    own = [_scores_specs(shape, dt, qb)[0], (shape, dt), (shape[:-1] + (1,), dt), (shape, dt)]  # ds, g/l, dd, tmp
+    if node.op == "causal_attention_backward":   # without kept scores: E and l recomputed here
         own += _scores_specs(shape, dt)
     return own
 
 
 @kernel("causal_attention_backward", "causal_attention_backward_kept", scratch=_attention_backward_scratch)
 def build_causal_attention_backward(node, out, ins, scratch, steps=ATTENTION_BLOCK_STEPS):
-    q, k, v, o, g = ins
-    ds, gs, dd, tmp, *own = scratch
-    slot = node.attrs.get("slot")
-    e, l = (slot.e, slot.l) if slot is not None else own
-    blocks, above, scale = _attention_plan(node)
-    lead, t = node.shape[1:-2], node.shape[-2]
+    kept = node.op == "causal_attention_backward_kept"
+    if kept:   # inputs q, k, v, o, E, l, g
+        q, k, v, o, e, l, g = ins
+        ds, gs, dd, tmp = scratch
+    else:
+        q, k, v, o, g = ins
+        ds, gs, dd, tmp, e, l = scratch
+    shape = node.shape[1:]
+    blocks, above, scale = _attention_plan(node, shape)
+    lead, t = shape[:-2], shape[-2]
     nb = len(blocks)
 
     def body(q, k, v, o, g, l, dq, dk, dv, gs, dd, tmp, *blocks_e_ds):
         e, ds = blocks_e_ds[:nb], blocks_e_ds[nb:]
-        if slot is None:   # unpaired: the forward's E and l first (gs holds q * scale meanwhile)
+        if not kept:   # the forward's E and l first (gs holds q * scale meanwhile)
             _attention_scores(q, k, None, None, l, gs, e, scale, blocks, above, steps)
         _attention_gradients(q, k, v, o, g, l, dq, dk, dv, gs, dd, tmp, e, ds, scale, blocks, steps)
     arrays = [q, k, v, o, g, l, out[0], out[1], out[2], gs, dd, tmp,
-              *_score_blocks(e, lead, t), *_score_blocks(ds, lead, t)]
-    return _attention_closure(body, arrays, lead, t, 2 * _attention_flops(node.shape[1:]))
+              *_score_blocks(e, lead, blocks), *_score_blocks(ds, lead, blocks)]
+    return _attention_closure(body, arrays, lead, t, 2 * _attention_flops(shape))

@@ -23,7 +23,6 @@ from .. import reference
 from ..base import Program, normalize_outputs
 from ..planner import ALIGN, Plan, apply_view, make_plan
 from .attention import ROUNDS_OWN_WAY
-from .passes import pair_attention_backward
 from .table import KERNELS, Kernel, inplace_positions, kernel_for, scratch_specs
 
 
@@ -43,7 +42,7 @@ class NumpyProgram(Program):
         self.rewritten = run_pipeline(self.pipeline, graph, normalize_outputs(graph, outputs))
         super().__init__(self.rewritten.graph, self.rewritten.outputs, set(self.kernels) | set(reference.KERNELS))
         self.source_graph = graph   # (the base class names the graph it was given: the rewritten one)
-        self.run_nodes = pair_attention_backward(self.nodes)
+        self.run_nodes = self.nodes   # what the plan schedules: the rewritten graph's needed nodes
         table = self.kernels
         self.plan: Plan = make_plan(self.run_nodes, self.outputs,
                                     functools.partial(inplace_positions, table=table),
@@ -74,12 +73,10 @@ class NumpyProgram(Program):
     def kept_bytes(self) -> int:
         """Bytes kept from forward to backward beyond the graph's own activations: the kept-value
         tensors of the graph passes (attrs["kept"]: dropout keep masks, GELU's sigmoid,
-        layer-norm statistics) and what fused kernels keep (attention scores). They are arena blocks like any other,
-        live until their last reader, so they are already inside `plan.arena_bytes`; this says how
-        much of the arena they take at most."""
-        tensors = sum(n.nbytes for n in self.run_nodes if n.attrs.get("kept"))
-        return tensors + sum(int(np.prod(sc.shape, dtype=np.int64)) * sc.dtype.itemsize
-                             for lst in self.plan.scratch.values() for sc in lst if sc.kept)
+        layer-norm statistics, attention's scores and row sums; executors/planner.kept_bytes).
+        They are arena blocks (or parts of one) like any other value, live until their last
+        reader, so they are already inside `plan.arena_bytes`; this says how much of it they take."""
+        return self.plan.kept_bytes
 
     def poison_arena(self) -> None:
         """Fill the arena and output buffers with NaN bytes (0xFF): a debugging aid and a test that

@@ -12,7 +12,8 @@ optimizer):
   only when that input dies at this node and has the output's shape and dtype), or a function
   ``node -> positions``.
 - ``scratch(node, inplace_pos) -> [(shape, dtype), ...]``: temporaries for one step; they live in
-  the arena (a spec ``(shape, dtype, until_node_id)`` lives until that node: kept values).
+  the arena, during that step only (a value a later node reads is a tensor of the graph: a kept
+  value, graphlm/passes/kept_values.py).
 
 An op with a reference kernel but no entry here runs the reference kernel and copies its result
 into the planned buffer (correct, but it allocates); an op with neither fails at compile.

@@ -12,10 +12,15 @@ graph (its producer, its readers and its lifetime are the memory plan's like any
   plain one reads it), whose parts are views; the backward becomes
   ``layer_norm_backward_kept(xc, sv, [w], g)`` (4 of its 17 passes saved) and the plain layer
   norm the xhat view. Those nodes no longer read x, so x's buffer can die at the forward.
+- a causal attention whose output feeds its own ``causal_attention_backward`` (the VJP gives it
+  the forward's output): ``causal_attention_keep`` (flat: y, the scores E = exp(s - rowmax) in
+  query blocks, the row sums l; views) and ``causal_attention_backward_kept(q, k, v, y, E, l, g)``,
+  which recomputes no score.
 """
 from __future__ import annotations
 
-from graphlm.ops import layer_norm_keep_layout, normalize_index
+from graphlm import ops
+from graphlm.ops import causal_attention_keep_layout, layer_norm_keep_layout, normalize_index
 
 from .rewrite import Pass, Rule
 
@@ -46,8 +51,12 @@ def _plain(node) -> bool:
 
 
 def _part(ctx, flat, start, stop, shape, kept):
-    piece = ctx.emit("slice", (flat,), index=normalize_index(slice(start, stop), flat.shape))
-    return ctx.emit("reshape", (piece,), shape=tuple(shape), kept=kept)
+    """The part [start, stop) of a flat kept buffer as a view of `shape` (a slice, then a reshape
+    unless the part is flat itself)."""
+    index = normalize_index(slice(start, stop), flat.shape)
+    if tuple(shape) == (stop - start,):
+        return ctx.emit("slice", (flat,), index=index, kept=kept)
+    return ctx.emit("reshape", (ctx.emit("slice", (flat,), index=index),), shape=tuple(shape), kept=kept)
 
 
 def _layer_norm(node, ctx):
@@ -78,10 +87,43 @@ def _layer_norm_backward(node, ctx):
                     has_weight=bool(node.attrs.get("has_weight")))
 
 
+def _own_attention_backward(fwd, back) -> bool:
+    """Whether `back` is the causal_attention_backward of the forward node `fwd` itself."""
+    return (back.op == "causal_attention_backward" and back.inputs[3] is fwd and back.attrs == fwd.attrs
+            and all(a is b for a, b in zip(back.inputs[:3], fwd.inputs)))
+
+
+def _attention(node, ctx):
+    if not any(_own_attention_backward(node, r) for r in ctx.readers(node)):
+        return None
+    query_block = ops.ATTENTION_QUERY_BLOCK   # (read now: tests vary it)
+    flat = ctx.emit("causal_attention_keep", [ctx.new(i) for i in node.inputs], scale=node.attrs["scale"],
+                    query_block=query_block)
+    parts = {name: _part(ctx, flat, a, b, sh, name != "y")
+             for name, a, b, sh in causal_attention_keep_layout(node.shape, query_block)}
+    ctx.memo[("attention", node.id)] = parts, query_block
+    return parts["y"]
+
+
+def _attention_backward(node, ctx):
+    fwd = node.inputs[3]
+    kept = ctx.memo.get(("attention", fwd.id))
+    if kept is None or not _own_attention_backward(fwd, node):
+        return None
+    parts, query_block = kept
+    q, k, v = (ctx.new(i) for i in node.inputs[:3])
+    return ctx.emit("causal_attention_backward_kept", (q, k, v, parts["y"], parts["e"], parts["l"],
+                                                       ctx.new(node.inputs[4])),
+                    scale=node.attrs["scale"], query_block=query_block)
+
+
 KEPT_VALUES = Pass("kept_values", (
     Rule("tanh GELU with its backward", ("gelu",), _gelu),
     Rule("tanh GELU backward from the kept sigmoid", ("gelu_backward",), _gelu_backward),
     Rule("layer norm with its backward", ("layer_norm",), _layer_norm),
     Rule("layer norm backward from the kept statistics", ("layer_norm_backward",), _layer_norm_backward),
+    Rule("causal attention with its backward", ("causal_attention",), _attention),
+    Rule("causal attention backward from the kept scores", ("causal_attention_backward",), _attention_backward),
 ), doc="gelu(x) + gelu_backward(x, g) -> x * s + gelu_backward_sigmoid(x, g, s), s = gelu_sigmoid(x); "
-       "layer_norm(x) + layer_norm_backward(x, g) -> layer_norm_keep(x) parts + layer_norm_backward_kept(xc, sv, g)")
+       "layer_norm(x) + layer_norm_backward(x, g) -> layer_norm_keep(x) parts + layer_norm_backward_kept(xc, sv, g); "
+       "causal_attention + its backward -> causal_attention_keep parts + causal_attention_backward_kept(.., y, E, l, g)")

@@ -1,20 +1,30 @@
-"""The rewrite mechanism: rules as data, one driver.
+"""The rewrite mechanism: rules as data, one driver. It is graphlm's only graph copier: the graph
+passes (graphlm/passes) and the copies of graphlm/rewrite.py (a dtype change, decompositions
+expanded, leaves as inputs) are all passes it runs.
 
 `rewrite(graph, outputs, pass_)` copies the nodes the outputs need into a new graph in order
-(when no rule matches anywhere, the result is the source graph itself);
-for each node it tries the pass's rules for that node's op, and the first that returns a tensor
-replaces the node. Nodes a replacement made redundant (the intermediates it absorbed) are left
-dead and dropped at the end, so a rule only builds what it replaces. Rules see the source graph
-(`Context.uses`, `Context.private`) and build in the new one (`Context.new`, `Context.emit`).
+(when no rule matches anywhere, the result is the source graph itself, unless `copy=True`);
+for each node it tries the pass's rules for that node's op (a rule naming `ANY` sees every
+node but leaves, which a rule must name), and the first that returns a tensor replaces the
+node. A node no rule replaced is copied with its name, scope and backward flag, its shape and
+dtype inferred again by its op's rule where an input's changed. Nodes a replacement made
+redundant (the intermediates it absorbed) are left dead and dropped at the end, so a rule only
+builds what it replaces. Rules see the source graph (`Context.uses`, `Context.private`) and
+build in the new one (`Context.new`, `Context.emit`, `Context.copy`). Which forward node's VJP
+made each backward node (`Graph.forward_partner`) carries over.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+import numpy as np
+
 from graphlm.ir import LEAF_OPS, Graph, GraphError, Tensor
 from graphlm.layout import layouts
 from graphlm.registry import REGISTRY
+
+ANY = "*"   # in Rule.ops: every op but the leaves
 
 
 @dataclass(frozen=True)
@@ -28,10 +38,16 @@ class Rule:
 
 @dataclass(frozen=True)
 class Pass:
-    """A named rule table. Rules are tried in order; the first match wins."""
+    """A named rule table. Rules are tried in order; the first match wins. `dtypes`: pairs
+    (from, to) of a dtype change the pass makes (a replacement of a `from` node is a `to` node)."""
     name: str
     rules: tuple[Rule, ...]
     doc: str = ""
+    dtypes: tuple[tuple[np.dtype, np.dtype], ...] = ()
+
+    def rules_for(self, op: str) -> list[Rule]:
+        """The rules that look at nodes of `op`, in order."""
+        return [r for r in self.rules if op in r.ops or (ANY in r.ops and op not in LEAF_OPS)]
 
 
 @dataclass
@@ -100,6 +116,12 @@ class Context:
         marks = {"made_by": self.pass_name, **({"kept": True} if kept else {})}
         return self.graph._add(op, tuple(inputs), {**attrs, **marks}, shape, dtype)
 
+    def copy(self, node: Tensor, attrs: dict | None = None) -> Tensor:
+        """`node` (a source node, not a leaf) in the new graph on its inputs' new tensors, with
+        `attrs` instead of its own if given: its name kept, its shape and dtype inferred again
+        where an input or an attribute changed (not marked as made by the pass)."""
+        return _copy(self.graph, node, [self.new(i) for i in node.inputs], attrs)
+
 
 def needed(outputs: Sequence[Tensor]) -> list[Tensor]:
     """The nodes the outputs depend on, in creation (topological) order."""
@@ -113,42 +135,47 @@ def needed(outputs: Sequence[Tensor]) -> list[Tensor]:
     return [outputs[0].graph.nodes[i] for i in sorted(seen)]
 
 
-def _copy(graph: Graph, node: Tensor, inputs) -> Tensor:
+def _copy(graph: Graph, node: Tensor, inputs, attrs: dict | None = None) -> Tensor:
+    """`node` copied into `graph` on `inputs` (see Context.copy)."""
     if node.op in ("input", "param", "state"):
         table = {"input": graph.inputs, "param": graph.params, "state": graph.states}[node.op]
         return graph._leaf(node.op, table, node.name, node.shape, node.dtype)
-    return graph._add(node.op, tuple(inputs), node.attrs, node.shape, node.dtype, name=node.name)
+    shape, dtype = node.shape, node.dtype
+    if attrs is not None or any(i.shape != s.shape or i.dtype != s.dtype for i, s in zip(inputs, node.inputs)):
+        shape, dtype = REGISTRY[node.op].infer(list(inputs), node.attrs if attrs is None else attrs)
+    return graph._add(node.op, tuple(inputs), node.attrs if attrs is None else attrs, shape, dtype, name=node.name)
 
 
-def rewrite(graph: Graph, outputs: Sequence[Tensor], pass_: Pass) -> Rewritten:
-    """Run one pass over the part of `graph` the outputs need."""
+def rewrite(graph: Graph, outputs: Sequence[Tensor], pass_: Pass, copy: bool = False,
+            name: str | None = None) -> Rewritten:
+    """Run one pass over the part of `graph` the outputs need. `copy`: a new graph (named
+    `name`, else as the source) even where no rule matched."""
     outputs = list(outputs)
     for o in outputs:
         if not isinstance(o, Tensor) or o.graph is not graph:
             raise GraphError(f"pass {pass_.name}: output {o!r} is not a tensor of graph '{graph.name}'")
     nodes = needed(outputs)
-    new_graph = Graph(graph.name)
+    new_graph = Graph(name or graph.name)
     ctx = Context(new_graph, nodes, {o.id for o in outputs}, pass_.name)
+    dtypes = {np.dtype(a): np.dtype(b) for a, b in pass_.dtypes}
     by_op: dict[str, list[Rule]] = {}
-    for rule in pass_.rules:
-        for op in rule.ops:
-            by_op.setdefault(op, []).append(rule)
     changed = False
     for n in nodes:
         new_graph._scopes, new_graph._backward = [n.scope], n.is_backward
         made = None
         ctx.node = n
-        for rule in () if n.op in LEAF_OPS else by_op.get(n.op, ()):
+        rules = by_op[n.op] if n.op in by_op else by_op.setdefault(n.op, pass_.rules_for(n.op))
+        for rule in rules:
             made = rule.apply(n, ctx)
             if made is not None:
                 changed = True
-                if made.shape != n.shape or made.dtype != n.dtype:
+                if made.shape != n.shape or made.dtype != dtypes.get(n.dtype, n.dtype):
                     raise GraphError(f"pass {pass_.name}, rule {rule.name}: replaced {n.op} {n.label} "
                                      f"{n.shape} {n.dtype} by {made.op} {made.shape} {made.dtype}")
                 break
         ctx._new[n.id] = made if made is not None else _copy(new_graph, n, [ctx.new(i) for i in n.inputs])
     new_graph._scopes, new_graph._backward = [], False
-    if not changed:   # no rule matched: the source graph itself
+    if not changed and not copy:   # no rule matched: the source graph itself
         return Rewritten(graph, outputs, {n.id: n for n in nodes}, (pass_.name,))
     new_outputs = [ctx.new(o) for o in outputs]
     new_graph.eliminate_dead_since(0, new_outputs)
@@ -161,9 +188,9 @@ def rewrite(graph: Graph, outputs: Sequence[Tensor], pass_: Pass) -> Rewritten:
         if t.id >= 0:
             replaced[n.id] = t
     for back, fwd in graph.forward_partner.items():   # which forward node's VJP made each node
-        made = ctx._new.get(back.id)
-        if made is not None and made.id >= 0 and fwd.id in replaced:
-            new_graph.forward_partner.setdefault(made, replaced[fwd.id])
+        b, f = replaced.get(back.id), replaced.get(fwd.id)
+        if b is not None and f is not None and b.is_backward:
+            new_graph.forward_partner.setdefault(b, f)
     return Rewritten(new_graph, new_outputs, replaced, (pass_.name,))
 
 
