@@ -222,6 +222,23 @@ def test_a_causal_attention_keeps_its_scores_as_tensors(monkeypatch, dtype):
     assert block.last == prog.plan.schedule.index(back.id)   # E and l live until the backward reads them
 
 
+def test_a_causal_attention_keeps_its_scores_only_where_they_are_cheap(monkeypatch):
+    """Scores of more than KEEP_SCORES_PER_OUTPUT elements per output element (a long context
+    over narrow heads, as GPT-2 small's T = 1024, D = 64) are recomputed by the backward, not
+    kept; at the limit they are kept."""
+    from graphlm.passes import kept_values
+    monkeypatch.setattr(gl.ops, "ATTENTION_QUERY_BLOCK", 4)
+    for d, kept in ((2, False), (8, True)):   # T = 16: E = 4 * (4 + 8 + 12 + 16) = 160 per matrix
+        g = gl.Graph("att_long")
+        q, k, v = (g.input(n, (1, 16, d)) for n in "qkv")
+        y = gl.causal_attention(q, k, v)
+        grads = gl.grad(gl.sum(y * y), [q, k, v])
+        assert (160 <= kept_values.KEEP_SCORES_PER_OUTPUT * 16 * d) == kept
+        rw = passes.rewrite(g, [y, *grads], KEPT_VALUES)
+        assert ("causal_attention_keep" in ops_of(rw.graph)) == kept, d
+        assert ("causal_attention_backward" in ops_of(rw.graph)) != kept, d
+
+
 def test_a_causal_attention_without_its_own_backward_keeps_nothing():
     g = gl.Graph("att_fwd")
     q, k, v = (g.input(n, (3, 5, 2)) for n in "qkv")

@@ -15,7 +15,10 @@ graph (its producer, its readers and its lifetime are the memory plan's like any
 - a causal attention whose output feeds its own ``causal_attention_backward`` (the VJP gives it
   the forward's output): ``causal_attention_keep`` (flat: y, the scores E = exp(s - rowmax) in
   query blocks, the row sums l; views) and ``causal_attention_backward_kept(q, k, v, y, E, l, g)``,
-  which recomputes no score.
+  which recomputes no score. Only where the kept scores cost at most KEEP_SCORES_PER_OUTPUT
+  elements per element of the attention's output (about T / 2D: TinyLM's T = 128, D = 32 keeps
+  3x its output; GPT-2 small's T = 1024, D = 64 would keep 8.5x, 1.3 GB at batch 4): past that
+  the backward recomputes the scores (a sixth more attention products) instead of holding them.
 """
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ from graphlm import ops
 from graphlm.ops import causal_attention_keep_layout, layer_norm_keep_layout, normalize_index
 
 from .rewrite import Pass, Rule
+
+KEEP_SCORES_PER_OUTPUT = 4   # kept score elements per attention output element, at most
 
 
 def _tanh_gelu(node) -> bool:
@@ -97,6 +102,9 @@ def _attention(node, ctx):
     if not any(_own_attention_backward(node, r) for r in ctx.readers(node)):
         return None
     query_block = ops.ATTENTION_QUERY_BLOCK   # (read now: tests vary it)
+    (_, _, y_size, _), (_, e0, e1, _) = causal_attention_keep_layout(node.shape, query_block)[:2]
+    if e1 - e0 > KEEP_SCORES_PER_OUTPUT * y_size:
+        return None
     flat = ctx.emit("causal_attention_keep", [ctx.new(i) for i in node.inputs], scale=node.attrs["scale"],
                     query_block=query_block)
     parts = {name: _part(ctx, flat, a, b, sh, name != "y")
