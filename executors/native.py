@@ -17,8 +17,9 @@ ask for the same scratch, so either fits the plan).
 Rounding. Dropout, AdamW and the attention gradient's ds step compute exactly what the numpy
 executor computes (same operations in the same order, compiled with -ffp-contract=off); tests
 check them bit for bit. exp, GELU, layer norm and the attention softmax round their own way
-(another exp, sums in another order): `NativeProgram.rounds_like_reference` is then False and
-tests compare them with the reference within float32 tolerances.
+(another exp, sums in another order) and say so where they are registered
+(`native_kernel(..., rounds_own_way=...)`): `NativeProgram.rounds_like_reference` is then False
+and tests compare them with the reference within float32 tolerances.
 
 Building. The C file is compiled on first use (as tinygrad's CLANG back end does) with ``$CC``
 (default ``cc``) and ``-O3 -march=native``, into ``$GRAPHLM_CACHE_DIR`` (default
