@@ -54,6 +54,16 @@ def bits_differ(got, want) -> str | None:
     return f"{int(np.size(same) - np.count_nonzero(same))} of {np.size(same)} elements differ, e.g. at {i}: {got[i]!r} vs {want[i]!r}"
 
 
+def assert_bits_or_close(got, want, exact: bool, rtol: float, what: str, hint: str):
+    """Bit for bit where `exact`, else within `rtol` relative (graphlm.testing.assert_close)."""
+    if exact:
+        problem = bits_differ(got, want)
+        assert problem is None, f"{what}: {problem} ({hint})"
+    else:
+        assert rtol > 0
+        assert_close(got, want, rtol, rtol, what)
+
+
 # -- the reference kernel is its decomposition ------------------------------------------------------
 
 DECOMPOSED = sorted(n for n, op in REGISTRY.items() if op.decompose is not None)
@@ -72,12 +82,9 @@ def test_reference_kernel_computes_its_decomposition_bit_for_bit(op_name):
                 program = REF.compile(g, [node, composed])
                 fused, spelled = program.run({n: v for n, v in feeds_of(arrays).items() if n in program.input_nodes})
                 what = f"op '{op_name}' in row {case.name}-{k} (float32): its reference kernel vs its decomposition"
-                if op.rounds_like_decomposition:
-                    problem = bits_differ(fused, spelled)
-                    assert problem is None, f"{what}: {problem} (the kernel must compute the decomposition's " \
-                                            "operations in its order, graphlm/ops.py)"
-                else:
-                    assert_close(fused, spelled, DECOMPOSED_RTOL, DECOMPOSED_RTOL, what)
+                assert_bits_or_close(fused, spelled, op.rounds_like_decomposition, DECOMPOSED_RTOL, what,
+                                     "the kernel must compute the decomposition's operations in its order, "
+                                     "graphlm/ops.py")
                 checked += 1
     assert checked, f"no row of tests/test_ops.py CASES uses op '{op_name}'"
 
@@ -153,14 +160,9 @@ def test_every_kernel_computes_the_reference_kernels_order_node_by_node(executor
         program = executor.compile(g, [y])
         (got,) = program.run(feeds)
         (want,) = REF.compile(g, [y]).run(feeds)
-        what = f"the {executor_name} executor's kernel of op '{node.op}' (node {node.label} of row {row}, float32)"
-        if program.rounds_like_reference:
-            problem = bits_differ(got, want)
-            assert problem is None, f"{what} vs the reference kernel: {problem} (a kernel computes its op " \
-                                    "in the order of graphlm/ops.py, or declares rounds_own_way)"
-        else:
-            tol = program.tolerance(got.dtype)
-            assert tol > 0
-            assert_close(got, want, tol, tol, what)
+        what = f"the {executor_name} executor's kernel of op '{node.op}' (node {node.label} of row {row}, " \
+               "float32) vs the reference kernel"
+        assert_bits_or_close(got, want, program.rounds_like_reference, program.tolerance(got.dtype), what,
+                             "a kernel computes its op in the order of graphlm/ops.py, or declares rounds_own_way")
         checked += 1
     assert checked > (100 if executor_name == "numpy" else 10)
