@@ -17,8 +17,9 @@ ask for the same scratch, so either fits the plan).
 Rounding. Dropout, AdamW and the attention gradient's ds step compute exactly what the numpy
 executor computes (same operations in the same order, compiled with -ffp-contract=off); tests
 check them bit for bit. exp, GELU, layer norm and the attention softmax round their own way
-(another exp, sums in another order): `NativeProgram.rounds_like_reference` is then False and
-tests compare them with the reference within float32 tolerances.
+(another exp, sums in another order) and say so where they are registered
+(`native_kernel(..., rounds_own_way=...)`): `NativeProgram.rounds_like_reference` is then False
+and tests compare them with the reference within float32 tolerances.
 
 Building. The C file is compiled on first use (as tinygrad's CLANG back end does) with ``$CC``
 (default ``cc``) and ``-O3 -march=native``, into ``$GRAPHLM_CACHE_DIR`` (default
@@ -317,12 +318,20 @@ def _at(a, per: int, lo: int) -> int | None:
 KERNELS: dict[str, Kernel] = dict(NUMPY_KERNELS)
 
 
-def native_kernel(*names):
+def native_kernel(*names, rounds_own_way=False):
     """Register `build` as the native kernel of each op in `names`: the numpy kernel's inplace
-    and scratch rules, and its build wherever `build` returns None (arrays it does not take)."""
+    and scratch rules, and its build wherever `build` returns None (arrays it does not take).
+    `rounds_own_way` (True, or ``node -> bool``): the C code rounds its own way on float32 (another
+    exp, row sums in another order; the kernel table's flag, executors/numpy/table.py); the numpy
+    kernel's flag holds as well."""
     def deco(build):
         for name in names:
             base = NUMPY_KERNELS[name]
+
+            own = Kernel(build, rounds_own_way=rounds_own_way)
+
+            def rounds(node, base=base, own=own):
+                return (node.dtype == np.float32 and own.rounds_own_way_on(node)) or base.rounds_own_way_on(node)
 
             def build_or_numpy(node, out, ins, scratch, build=build, base=base):
                 run = build(node, out, ins, scratch)
@@ -330,14 +339,14 @@ def native_kernel(*names):
                     return base.build(node, out, ins, scratch)
                 run.native = True   # (NativeProgram.native_ops reads it)
                 return run
-            KERNELS[name] = Kernel(build_or_numpy, base.inplace, base.scratch)
+            KERNELS[name] = Kernel(build_or_numpy, base.inplace, base.scratch, rounds)
         return build
     return deco
 
 
 # == elementwise =========================================================================================
 
-@native_kernel("exp")
+@native_kernel("exp", rounds_own_way=True)
 def _exp(node, out, ins, scratch):
     (x,) = ins
     if node.dtype != np.float32 or x.shape != out.shape or not _native(x, out):
@@ -353,7 +362,7 @@ def _gelu_closure(node, x, out, keep):
                                                          hi - lo, GELU_A, GELU_B), out.size, 1, (x, out, keep))
 
 
-@native_kernel("gelu")
+@native_kernel("gelu", rounds_own_way=lambda node: node.attrs["approximate"] == "tanh")
 def _gelu(node, out, ins, scratch):
     (x,) = ins
     if node.attrs["approximate"] != "tanh" or node.dtype != np.float32 or not _native(x, out):
@@ -361,7 +370,7 @@ def _gelu(node, out, ins, scratch):
     return _gelu_closure(node, x, out, None)
 
 
-@native_kernel("gelu_sigmoid")
+@native_kernel("gelu_sigmoid", rounds_own_way=True)
 def _gelu_sigmoid(node, out, ins, scratch):
     (x,) = ins
     if node.dtype != np.float32 or not _native(x, out):
@@ -378,7 +387,7 @@ def _gelu_backward_closure(x, g, s, out):
         GELU_A, GELU_B, GELU_DA, GELU_DB), out.size, 1, (x, g, s, out))
 
 
-@native_kernel("gelu_backward")
+@native_kernel("gelu_backward", rounds_own_way=lambda node: node.attrs["approximate"] == "tanh")
 def _gelu_backward(node, out, ins, scratch):
     x, g = ins
     if node.attrs["approximate"] != "tanh" or node.dtype != np.float32 or not _native(x, g, out):
@@ -386,7 +395,7 @@ def _gelu_backward(node, out, ins, scratch):
     return _gelu_backward_closure(x, g, None, out)
 
 
-@native_kernel("gelu_backward_sigmoid")
+@native_kernel("gelu_backward_sigmoid", rounds_own_way=True)
 def _gelu_backward_sigmoid(node, out, ins, scratch):
     x, g, s = ins
     if node.dtype != np.float32 or not _native(x, g, s, out):
@@ -411,7 +420,7 @@ def _layer_norm_closure(node, x, w, b, out, xc, sv, xhat, eps=None):
         _at(xhat, cols, lo), hi - lo, cols, eps), node.size // cols, cols, (x, w, b, out, xc, sv, xhat))
 
 
-@native_kernel("layer_norm")
+@native_kernel("layer_norm", rounds_own_way=True)
 def _layer_norm(node, out, ins, scratch):
     x, w, b, _ = norm_parts(ins, node.attrs)
     if not _norm_ok(node, x, w, b, out):
@@ -419,7 +428,7 @@ def _layer_norm(node, out, ins, scratch):
     return _layer_norm_closure(node, x, w, b, out, None, None, None)
 
 
-@native_kernel("layer_norm_keep")
+@native_kernel("layer_norm_keep", rounds_own_way=True)
 def _layer_norm_keep(node, out, ins, scratch):
     x, w, b, _ = norm_parts(ins, node.attrs)
     parts = layer_norm_keep_views(out, node)
@@ -437,7 +446,7 @@ def _layer_norm_backward_closure(node, xc, sv, g, w, out):
         hi - lo, cols, eps), node.size // cols, cols, (xc, sv, g, w, out))
 
 
-@native_kernel("layer_norm_backward_kept")
+@native_kernel("layer_norm_backward_kept", rounds_own_way=True)
 def _layer_norm_backward_kept(node, out, ins, scratch):
     xc, sv, *rest = ins
     w, g = (rest[0] if node.attrs.get("has_weight") else None), rest[-1]
@@ -446,7 +455,7 @@ def _layer_norm_backward_kept(node, out, ins, scratch):
     return _layer_norm_backward_closure(node, xc, sv, g, w, out)
 
 
-@native_kernel("layer_norm_backward")
+@native_kernel("layer_norm_backward", rounds_own_way=True)
 def _layer_norm_backward(node, out, ins, scratch):
     x, w, _, (g,) = norm_parts(ins, node.attrs)
     if not _norm_ok(node, x, w, None, g, out) or g.shape != node.shape:
@@ -576,20 +585,12 @@ def _adamw_update(node, out, ins, scratch):
 
 # == the program and executor =================================================================================
 
-# float32 kernels that round their own way (another exp, row sums in another order)
-NATIVE_ROUNDING = {"exp", "gelu", "gelu_sigmoid", "gelu_backward", "gelu_backward_sigmoid",
-                   "layer_norm", "layer_norm_keep", "layer_norm_backward", "layer_norm_backward_kept"}
-
-
 class NativeProgram(NumpyProgram):
     """A `NumpyProgram` on the native kernel table."""
 
     executor_name = "native"
     kernels = KERNELS
     tolerances = {"float64": 1e-12, "float32": 2e-5}   # its C exp, GELU, norms round their own way
-
-    def rounds_own_way(self, node) -> bool:
-        return super().rounds_own_way(node) or (node.op in NATIVE_ROUNDING and node.dtype == np.float32)
 
     def native_ops(self, state=None) -> set[str]:
         """The ops whose kernels run in C in this program (the others run the numpy kernels);

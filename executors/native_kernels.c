@@ -106,7 +106,7 @@ void gl_gelu_tanh(const float *x, float *y, float *keep, int64_t n, float a, flo
     } else {
         for (int64_t i = 0; i < n; i++) {
             float xi = x[i];
-            y[i] = xi / (exp_f32((xi * xi * a + b) * xi) + 1.0f);
+            y[i] = xi * (1.0f / (exp_f32((xi * xi * a + b) * xi) + 1.0f));   /* x*s, not x/(e + 1) */
         }
     }
 }

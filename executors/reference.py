@@ -11,7 +11,8 @@ from typing import Callable
 import numpy as np
 from scipy import special
 
-from graphlm.ops import GELU_A, GELU_B, GELU_DA, GELU_DB, attention_query_blocks, matmul_sum_folding, norm_parts
+from graphlm.ops import (GELU_A, GELU_B, GELU_DA, GELU_DB, GELU_R2, GELU_R2PI, attention_query_blocks,
+                         matmul_sum_folding, norm_parts)
 from graphlm.random import counter_uniform, dropout_keep_scale
 
 from .base import ExecutionError, Program, check_index_range, node_where
@@ -60,7 +61,7 @@ def _gelu_sigmoid(x):
 def gelu(node, x):
     if node.attrs["approximate"] == "tanh":
         return x * _gelu_sigmoid(x)
-    return _s(0.5, x) * x * (_s(1.0, x) + special.erf(x * _s(1 / math.sqrt(2.0), x)))
+    return (special.erf(x * _s(GELU_R2, x)) + _s(1.0, x)) * x * _s(0.5, x)
 
 
 @kernel("gelu_backward")
@@ -69,8 +70,8 @@ def gelu_backward(node, x, g):
         s = _gelu_sigmoid(x)
         d = (_s(1.0, x) - s) * s * x * (x * x * _s(GELU_DA, x) + _s(GELU_DB, x)) + s
     else:
-        d = _s(0.5, x) * (_s(1.0, x) + special.erf(x * _s(1 / math.sqrt(2.0), x))) + \
-            x * np.exp(_s(-0.5, x) * x * x) * _s(1 / math.sqrt(2 * math.pi), x)
+        d = (special.erf(x * _s(GELU_R2, x)) + _s(1.0, x)) * _s(0.5, x) + \
+            x * np.exp(x * _s(-0.5, x) * x) * _s(GELU_R2PI, x)
     return g * d
 
 

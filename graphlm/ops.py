@@ -378,7 +378,10 @@ def cast(x, dtype) -> Tensor:
 # GPT-2's tanh GELU, 0.5*x*(1 + tanh(u)) with u = C*(x + K*x^3), is exactly x*sigmoid(2u)
 # (tanh(u) = 2*sigmoid(2u) - 1). Every executor computes it in that form, in this order:
 #     s = 1 / (exp((x*x*GELU_A + GELU_B)*x) + 1),   gelu = x*s                 (-2u = (x*x*A + B)*x)
-#     gelu' = s + (1 - s)*s*x*(x*x*GELU_DA + GELU_DB)                          (2u' = x*x*DA + DB)
+#     gelu' = ((1 - s)*s*x)*(x*x*GELU_DA + GELU_DB) + s,   gelu_backward = g*gelu'   (2u' = x*x*DA + DB)
+# and the exact (erf) GELU, with r = GELU_R2 = 1/sqrt(2) and c = GELU_R2PI = 1/sqrt(2 pi):
+#     gelu = ((erf(x*r) + 1)*x)*0.5
+#     gelu' = (erf(x*r) + 1)*0.5 + (x*exp((x*-0.5)*x))*c,   gelu_backward = g*gelu'
 # one exp instead of a tanh (NumPy's float32 tanh costs twice its exp) and fewer passes; it rounds
 # like the tanh form (max error 5e-7 vs float64 on N(0, 2) inputs, the tanh form's 4.7e-7).
 # For large |x| exp overflows to inf and s becomes 0 (x < 0) or 1: gelu -> -0 or x, as the tanh form.
@@ -386,6 +389,7 @@ GELU_C = math.sqrt(2.0 / math.pi)
 GELU_K = 0.044715
 GELU_A, GELU_B = -2 * GELU_C * GELU_K, -2 * GELU_C
 GELU_DA, GELU_DB = 6 * GELU_C * GELU_K, 2 * GELU_C
+GELU_R2, GELU_R2PI = 1.0 / math.sqrt(2.0), 1.0 / math.sqrt(2.0 * math.pi)
 
 
 def _infer_gelu(inputs, attrs):
@@ -402,7 +406,7 @@ def _gelu_sigmoid(x):
 def _gelu_decompose(x, approximate):
     if approximate == "tanh":
         return x * _gelu_sigmoid(x)
-    return x * 0.5 * (erf(x * (1.0 / math.sqrt(2.0))) + 1.0)
+    return (erf(x * GELU_R2) + 1.0) * x * 0.5
 
 
 def _gelu_backward_decompose(x, g, approximate):
@@ -410,17 +414,17 @@ def _gelu_backward_decompose(x, g, approximate):
         s = _gelu_sigmoid(x)
         d = (1.0 - s) * s * x * (x * x * GELU_DA + GELU_DB) + s
     else:
-        d = (erf(x * (1.0 / math.sqrt(2.0))) + 1.0) * 0.5 + \
-            x * exp(square(x) * -0.5) * (1.0 / math.sqrt(2 * math.pi))
+        d = (erf(x * GELU_R2) + 1.0) * 0.5 + x * exp(x * -0.5 * x) * GELU_R2PI
     return g * d
 
 
 register("gelu", _infer_gelu, elementwise=True, decompose=_gelu_decompose,
          vjp=lambda y, g: [apply("gelu_backward", (y.inputs[0], g), **y.attrs)],
-         doc="GELU; approximate='tanh' (GPT-2) or 'none' (erf)", vjp_doc="gelu_backward(x, g)")
+         doc="GELU; approximate='tanh' (GPT-2's, as x*s, s = 1/(exp((x*x*A + B)*x) + 1)) or 'none' "
+             "(((erf(x/sqrt(2)) + 1)*x)*0.5)", vjp_doc="gelu_backward(x, g)")
 register("gelu_backward", _infer_gelu, elementwise=True,
          decompose=_gelu_backward_decompose,
-         doc="g * gelu'(x)", vjp_doc="through its decomposition")
+         doc="g * gelu'(x) (the order: the GELU note in graphlm/ops.py)", vjp_doc="through its decomposition")
 
 
 def gelu(x, approximate: str = "tanh") -> Tensor:
@@ -462,7 +466,8 @@ def _count(shape, axes):
 
 
 register("sum", _infer_reduce, vjp=_sum_vjp, doc="sum over axes", vjp_doc="broadcast g back")
-register("mean", _infer_reduce, vjp=_mean_vjp, doc="mean over axes", vjp_doc="broadcast g/n back")
+register("mean", _infer_reduce, vjp=_mean_vjp, doc="sum over axes / n (the count as an integer, as np.mean)",
+         vjp_doc="broadcast g/n back")
 register("max", _infer_reduce, vjp=_max_vjp, doc="max over axes",
          vjp_doc="g to the maxima (split evenly on ties)")
 
@@ -823,13 +828,13 @@ def _log_softmax_decompose(x, axis):
 
 register("softmax", _infer_axis_op, decompose=_softmax_decompose,
          vjp=lambda y, g: [apply("softmax_backward", (y, g), axis=y.attrs["axis"])],
-         doc="exp(x)/sum(exp(x)) along an axis", vjp_doc="softmax_backward(y, g)")
+         doc="e / sum(e) along an axis, e = exp(x - max(x))", vjp_doc="softmax_backward(y, g)")
 register("softmax_backward", _infer_axis_op,
          decompose=lambda y, g, axis: y * (g - sum(g * y, axis, keepdims=True)),
          doc="y*(g - sum(g*y))", vjp_doc="through its decomposition")
 register("log_softmax", _infer_axis_op, decompose=_log_softmax_decompose,
          vjp=lambda y, g: [apply("log_softmax_backward", (y, g), axis=y.attrs["axis"])],
-         doc="x - logsumexp(x) along an axis", vjp_doc="log_softmax_backward(y, g)")
+         doc="s - log(sum(exp(s))) along an axis, s = x - max(x)", vjp_doc="log_softmax_backward(y, g)")
 register("log_softmax_backward", _infer_axis_op,
          decompose=lambda y, g, axis: g - exp(y) * sum(g, axis, keepdims=True),
          doc="g - exp(y)*sum(g)", vjp_doc="through its decomposition")
@@ -923,10 +928,11 @@ def _layer_norm_vjp(y, g):
 
 
 register("layer_norm", _infer_norm, decompose=_layer_norm_decompose, vjp=_layer_norm_vjp,
-         doc="(x-mean)/sqrt(var+eps)*w+b over the last axis",
+         doc="xc / sqrt(mean(xc*xc) + eps) * w + b over the last axis, xc = x - mean(x)",
          vjp_doc="layer_norm_backward(x, w, g); sum(g*xhat); sum(g)")
 register("layer_norm_backward", _infer_norm, decompose=_layer_norm_backward_decompose,
-         doc="dx of layer_norm", vjp_doc="through its decomposition")
+         doc="dx of layer_norm: r*((gh - mean(gh)) - xhat*mean(gh*xhat)), r = 1/sqrt(mean(xc*xc) + eps), "
+             "xhat = xc*r, gh = g*w", vjp_doc="through its decomposition")
 
 
 def layer_norm(x, weight=None, bias=None, eps: float = 1e-5) -> Tensor:
@@ -938,7 +944,7 @@ def layer_norm(x, weight=None, bias=None, eps: float = 1e-5) -> Tensor:
 
 def _rms_norm_decompose(*inputs, eps, has_weight, has_bias=False):
     x, w, _, _ = norm_parts(inputs, dict(has_weight=has_weight))
-    y = x * rsqrt(mean(square(x), -1, keepdims=True) + eps)
+    y = x / sqrt(mean(square(x), -1, keepdims=True) + eps)   # a division, as layer_norm's
     return y * w if w is not None else y
 
 
@@ -960,10 +966,11 @@ def _rms_norm_vjp(y, g):
 
 
 register("rms_norm", _infer_norm, decompose=_rms_norm_decompose, vjp=_rms_norm_vjp,
-         doc="x/sqrt(mean(x^2)+eps)*w over the last axis",
+         doc="x / sqrt(mean(x*x) + eps) * w over the last axis",
          vjp_doc="rms_norm_backward(x, w, g); sum(g*x/rms)")
 register("rms_norm_backward", _infer_norm, decompose=_rms_norm_backward_decompose,
-         doc="dx of rms_norm", vjp_doc="through its decomposition")
+         doc="dx of rms_norm: r*gh - (x*(r*r*r))*mean(gh*x), r = 1/sqrt(mean(x*x) + eps), gh = g*w",
+         vjp_doc="through its decomposition")
 
 
 def rms_norm(x, weight=None, eps: float = 1e-6) -> Tensor:
@@ -986,21 +993,26 @@ def _infer_cross_entropy(inputs, attrs):
 
 
 def _cross_entropy_decompose(logits, targets):
-    picked = sum(log_softmax(logits, -1) * one_hot(targets, logits.shape[1], logits.dtype))
-    return picked * (-1.0 / logits.shape[0])
+    # mean over rows of lse - logits[target], lse = log(sum(exp(logits - m))) + m, m = the row max
+    n, v = logits.shape
+    m = max(logits, 1, keepdims=True)
+    lse = log(sum(exp(logits - m), 1)) + reshape(m, (n,))
+    picked = sum(where(one_hot(targets, v, np.bool_), logits, 0.0), 1)   # one term per row: exact
+    return mean(lse - picked)
 
 
 def _cross_entropy_backward_decompose(logits, targets, g):
     n, v = logits.shape
-    return (softmax(logits, -1) - one_hot(targets, v, logits.dtype)) * (g * (1.0 / n))
+    return (softmax(logits, -1) - one_hot(targets, v, logits.dtype)) * (g / n)
 
 
 register("cross_entropy", _infer_cross_entropy, decompose=_cross_entropy_decompose,
          vjp=lambda y, g: [apply("cross_entropy_backward", (y.inputs[0], y.inputs[1], g)), None],
-         doc="mean over rows of -log softmax(logits)[target]",
+         doc="mean over rows of lse - logits[target], lse = log(sum(exp(logits - m))) + m, "
+             "m = the row max",
          vjp_doc="cross_entropy_backward(logits, targets, g) = (softmax - onehot)*g/N")
 register("cross_entropy_backward", _infer_cross_entropy, decompose=_cross_entropy_backward_decompose,
-         doc="(softmax(logits) - onehot(targets)) * g / N", vjp_doc="through its decomposition")
+         doc="(softmax(logits) - onehot(targets)) * (g / N)", vjp_doc="through its decomposition")
 
 
 def cross_entropy(logits, targets) -> Tensor:
@@ -1216,10 +1228,11 @@ register("dropout", _infer_dropout, elementwise=False,
          decompose=lambda x, key, p, stream: x * apply("dropout_mask", (key,), p=p, stream=stream,
                                                        shape=x.shape, dtype=x.dtype.str),
          vjp=lambda y, g: [apply("dropout", (g, y.inputs[1]), **y.attrs), None],
-         doc="x * keep / (1-p); keep drawn from a counter-based RNG keyed by (key, stream)",
+         doc="x * (keep * (1/(1-p))) (1/(1-p) rounded once to x's dtype); keep drawn from a "
+             "counter-based RNG keyed by (key, stream)",
          vjp_doc="dropout(g) with the same key and stream (the same mask)")
 register("dropout_mask", _infer_dropout_mask, differentiable=False,
-         doc="keep/(1-p) for each element, from (key, stream, element index)",
+         doc="keep * (1/(1-p)) for each element, from (key, stream, element index)",
          vjp_doc="not differentiable")
 
 
@@ -1249,6 +1262,14 @@ def dropout(x, p: float, key, stream: int | None = None) -> Tensor:
 # optimizers do), so an executor may run it as a few passes over one flat buffer when the
 # params, moments and grads are laid out contiguously. Its output is a float32 scalar token
 # (0.0) that only says "the update ran": compile it as an output to run the update.
+#
+# The arithmetic order every executor follows (each product and sum rounded on its own, in the
+# param's dtype; the per-step scalars lr/(1-b1^t), sqrt(1-b2^t) and 1-lr*wd computed in float64
+# from the float32 lr, then rounded once to the param's dtype):
+#   global_norm:  sqrt(total), total = ((0 + dot(g1, g1)) + dot(g2, g2)) + ... in input order
+#   adamw_update: g = grad*clip_coef;  p = p*(1 - lr*wd);  m = m*b1 + (1-b1)*g;
+#                 v = v*b2 + ((1-b2)*g)*g;  p = p - ((lr/(1-b1^t))*m) / (sqrt(v)/sqrt(1-b2^t) + eps)
+#   sgd_update:   d = grad*clip_coef + wd*p;  buf = buf*mu + d (momentum);  p = p - lr*d (or lr*buf)
 
 def _infer_global_norm(inputs, attrs):
     if not inputs:
@@ -1259,7 +1280,8 @@ def _infer_global_norm(inputs, attrs):
 
 
 register("global_norm", _infer_global_norm, differentiable=False,
-         doc="sqrt(sum of squares of every element of every input): the global L2 norm",
+         doc="sqrt(sum of squares of every element of every input): the global L2 norm, one dot "
+             "per input added in input order",
          vjp_doc="not differentiable (used for gradient clipping)")
 
 
@@ -1309,8 +1331,8 @@ def _infer_sgd_update(inputs, attrs):
 
 
 register("adamw_update", _infer_adamw_update, differentiable=False, updates_state=True,
-         doc="AdamW for groups (param, grad, m, v): g = grad*clip_coef; m,v moments; bias-corrected "
-             "step lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps); decoupled decay p *= 1-lr*wd; "
+         doc="AdamW for groups (param, grad, m, v): g = grad*clip_coef; p *= 1-lr*wd (decoupled); "
+             "m = m*b1 + (1-b1)*g; v = v*b2 + ((1-b2)*g)*g; p -= ((lr/(1-b1^t))*m) / (sqrt(v)/sqrt(1-b2^t) + eps); "
              "writes param, m, v in place",
          vjp_doc="not differentiable")
 register("sgd_update", _infer_sgd_update, differentiable=False, updates_state=True,
@@ -1427,7 +1449,7 @@ def matmul_sum_folding(a, b, axes):
             b.transpose(rest + summed + [nb, nb + 1]), rest_shape + (s * k, n), rest_shape + (m, n))
 
 
-register("matmul_sum", _infer_matmul_sum,
+register("matmul_sum", _infer_matmul_sum, rounds_like_decomposition=False,
          decompose=lambda a, b, axes, keepdims: sum(matmul(a, b), axes, keepdims),
          doc="sum(a @ b) over batch axes, as one product with the summed axes folded into the "
              "contraction (a weight gradient; rounds as that one product)",

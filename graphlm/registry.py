@@ -25,7 +25,15 @@ class OpDef:
     decompose(*inputs, **attrs) -> Tensor
         The same function composed from simpler ops. Fused ops have one: tests check the two
         agree, and an op whose `vjp` is None but has a decomposition is differentiated through
-        it (this is how the fused backward ops get second-order gradients).
+        it (this is how the fused backward ops get second-order gradients). The decomposition is
+        also the op's arithmetic order: every executor's kernel computes the same operations in
+        the same association, so the reference kernel and the decomposition agree bit for bit
+        (tests/test_arithmetic_order.py), except where `rounds_like_decomposition` is False.
+    rounds_like_decomposition
+        False for an op that computes its decomposition in another order on purpose (matmul_sum
+        folds a sum into one product's contraction): a pass that produces it changes result bits
+        (executors then say `rounds_like_reference` False), and tests compare the two within a
+        tolerance.
     """
 
     name: str
@@ -36,6 +44,7 @@ class OpDef:
     view: bool = False          # output can alias its first input's memory (no copy)
     differentiable: bool = True
     updates_state: bool = False  # writes into a state/param input in place (optimizer steps)
+    rounds_like_decomposition: bool = True
     doc: str = ""
     vjp_doc: str = ""
 

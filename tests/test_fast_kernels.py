@@ -204,7 +204,9 @@ def test_causal_attention_in_query_blocks_matches_reference(monkeypatch, query_b
     float32, 1e-12 in float64); the unpaired backward (recomputing E) equals the paired one
     bit for bit; the NaN-poisoned arena shows no masked score is read; only the blocks on and
     below the diagonal are kept from forward to backward."""
+    from graphlm.passes import kept_values
     monkeypatch.setattr(gl.ops, "ATTENTION_QUERY_BLOCK", query_block)
+    monkeypatch.setattr(kept_values, "KEEP_SCORES_PER_OUTPUT", 10)   # T = 37 over D = 8 keeps 4.6x
     monkeypatch.setattr(attention, "ATTENTION_CHUNK", chunk)
     monkeypatch.setattr(pool, "MIN_SPLIT_FLOPS", 0)
     shape = (2, 3, 37, 8)

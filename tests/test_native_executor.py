@@ -82,6 +82,7 @@ def test_op_cases_match_reference(case, k, dtype):
     what = f"{case.name}-{k} {dtype}"
     if dtype == "float64":   # no native kernel takes float64: the numpy executor's results exactly
         compare(got, mid, True, what)
+    if prog.rounds_like_reference or dtype == "float64":
         compare(got, want, prog.rounds_like_reference, what)
     else:
         close32(got, want, what)
@@ -176,7 +177,10 @@ def test_causal_attention_forward_and_backward(small_pieces, t, threads):
     feeds = {n: rng.standard_normal(shape).astype(np.float32) for n in "qkv"}
     _threads(threads)
     prog, got, _, want = run_all(g, outputs, feeds)
-    assert prog.native_ops() == {"causal_attention_keep", "causal_attention_backward_kept"}
+    from graphlm.passes.kept_values import KEEP_SCORES_PER_OUTPUT
+    kept = gl.ops.attention_score_size(t) <= KEEP_SCORES_PER_OUTPUT * t * 8   # long T over D = 8: recomputed
+    assert prog.native_ops() == ({"causal_attention_keep", "causal_attention_backward_kept"} if kept
+                                 else {"causal_attention", "causal_attention_backward"})
     close32(got, want, "attention", rtol=1e-4, atol=1e-5)
 
 

@@ -52,10 +52,11 @@ for _name, _fn in {"add": jnp.add, "sub": jnp.subtract, "mul": jnp.multiply, "di
                    "equal": jnp.equal}.items():
     RULES[_name] = (lambda fn: lambda node, a, b: fn(a, b))(_fn)
 for _name, _fn in {"neg": jnp.negative, "exp": jnp.exp, "log": jnp.log, "sqrt": jnp.sqrt,
-                   "rsqrt": lax.rsqrt, "tanh": jnp.tanh, "sigmoid": jax.nn.sigmoid,
+                   "tanh": jnp.tanh, "sigmoid": jax.nn.sigmoid,
                    "square": jnp.square, "erf": lax.erf}.items():
     RULES[_name] = (lambda fn: lambda node, x: fn(x))(_fn)
 
+rule("rsqrt")(lambda node, x: _c(1, x.dtype) / jnp.sqrt(x))   # 1/sqrt(x), the op's order (not lax.rsqrt)
 rule("relu")(lambda node, x: jnp.maximum(x, _c(0, x.dtype)))
 rule("pow")(lambda node, x: jnp.power(x, _c(node.attrs["exponent"], x.dtype)))
 rule("cast")(lambda node, x: x.astype(node.dtype))

@@ -11,8 +11,9 @@ Where things live:
   norms.py (softmax, layer and RMS norm, cross entropy), attention.py, dropout.py, optimizer.py.
 
 Kernels compute the reference's arithmetic in the same order, so float results match the
-reference bit for bit except where noted (`attention.ROUNDS_OWN_WAY`, the folded matmul sum;
-`NumpyProgram.rounds_like_reference` says whether a program is exact); results never depend on
+reference bit for bit except where a kernel declares its own rounding (the kernel table's
+`rounds_own_way`: blocked attention) or an op its own (`OpDef.rounds_like_decomposition`: the folded
+matmul sum); `NumpyProgram.rounds_like_reference` says whether a program is exact); results never depend on
 the thread count (docs/architecture.md, "the thread-count guarantee").
 """
 from __future__ import annotations

@@ -26,11 +26,10 @@ from .tiling import run_blocks
 #   ds = E * ((g/l) @ v^T - rowsum(g*o)/l)   (= P * (dP - rowsum(P*dP)), the softmax gradient)
 #   dq = ds @ k * scale,  dk = ds^T @ q * scale,  dv = E^T @ (g/l)
 # (dk and dv summed over the query blocks). The scale multiplies q (forward) and dq, dk (backward)
-# instead of the T x T scores. This rounds differently from the reference's plain form (tests
-# compare within 1e-6 relative); the results do not depend on the thread count.
+# instead of the T x T scores. This rounds differently from the reference's plain form (so the
+# kernels say rounds_own_way=True; tests compare within 1e-6 relative); the results do not depend
+# on the thread count.
 
-ROUNDS_OWN_WAY = {"causal_attention", "causal_attention_keep", "causal_attention_backward",
-                  "causal_attention_backward_kept"}
 ATTENTION_CHUNK = 1 << 17   # score elements per run of matrices (512 KiB of float32)
 
 
@@ -158,7 +157,7 @@ def _attention_scratch(node, pos):
     return [(shape, node.dtype)] + ([] if node.op == "causal_attention_keep" else _scores_specs(shape, node.dtype))
 
 
-@kernel("causal_attention", "causal_attention_keep", scratch=_attention_scratch)
+@kernel("causal_attention", "causal_attention_keep", scratch=_attention_scratch, rounds_own_way=True)
 def build_causal_attention(node, out, ins, scratch, steps=ATTENTION_BLOCK_STEPS):
     q, k, v = ins
     if node.op == "causal_attention_keep":   # E and l are parts of the output (kept for the backward)
@@ -182,7 +181,8 @@ def _attention_backward_scratch(node, pos):
     return own
 
 
-@kernel("causal_attention_backward", "causal_attention_backward_kept", scratch=_attention_backward_scratch)
+@kernel("causal_attention_backward", "causal_attention_backward_kept", scratch=_attention_backward_scratch,
+        rounds_own_way=True)
 def build_causal_attention_backward(node, out, ins, scratch, steps=ATTENTION_BLOCK_STEPS):
     kept = node.op == "causal_attention_backward_kept"
     if kept:   # inputs q, k, v, o, E, l, g

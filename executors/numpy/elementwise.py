@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import functools
-import math
 
 import numpy as np
 from scipy import special
 
-from graphlm.ops import GELU_A, GELU_B, GELU_DA, GELU_DB
+from graphlm.ops import GELU_A, GELU_B, GELU_DA, GELU_DB, GELU_R2, GELU_R2PI
 
 from .table import all_inputs, kernel, scalar
 from .tiling import blocked
@@ -125,12 +124,12 @@ def _gelu(node, out, ins, scratch):
             _gelu_sigmoid(x, out, k)
             np.multiply(x, out, out)
         return blocked(body, [x, out])
-    r2 = scalar(1 / math.sqrt(2.0), dt)
+    r2 = scalar(GELU_R2, dt)
 
-    def run_erf():  # 0.5*x*(1 + erf(x/sqrt(2)))
+    def run_erf():  # ((erf(x*r) + 1)*x)*0.5 (graphlm.ops' GELU note)
         np.multiply(x, r2, out=out)
         special.erf(out, out=out)
-        np.add(one, out, out=out)
+        np.add(out, one, out=out)
         np.multiply(out, x, out=out)
         np.multiply(out, half, out=out)
     return run_erf
@@ -154,15 +153,15 @@ def _gelu_backward(node, out, ins, scratch):
             _gelu_grad(x, g, s, out, b, k)
         return blocked(body, [x, g, out, *scratch])
     (a,) = scratch
-    r2, c2, mhalf = scalar(1 / math.sqrt(2.0), dt), scalar(1 / math.sqrt(2 * math.pi), dt), scalar(-0.5, dt)
+    r2, c2, mhalf = scalar(GELU_R2, dt), scalar(GELU_R2PI, dt), scalar(-0.5, dt)
 
     def run_erf():
-        # d = 0.5*(1 + erf(x/sqrt2)) + x*exp(-0.5*x*x)/sqrt(2 pi)
+        # g*((erf(x*r) + 1)*0.5 + (x*exp((x*-0.5)*x))*c) (graphlm.ops' GELU note)
         np.multiply(x, r2, out=a)
         special.erf(a, out=a)
-        np.add(one, a, out=a)
-        np.multiply(half, a, out=a)
-        np.multiply(mhalf, x, out=out)
+        np.add(a, one, out=a)
+        np.multiply(a, half, out=a)
+        np.multiply(x, mhalf, out=out)
         np.multiply(out, x, out=out)
         np.exp(out, out=out)
         np.multiply(x, out, out=out)

@@ -18,12 +18,12 @@ from typing import Callable, Sequence
 import numpy as np
 
 from graphlm.passes import run_pipeline
+from graphlm.registry import REGISTRY
 
 from .. import reference
 from ..base import Program, normalize_outputs
 from ..planner import ALIGN, Plan, apply_view, make_plan
-from .attention import ROUNDS_OWN_WAY
-from .table import KERNELS, Kernel, inplace_positions, kernel_for, scratch_specs
+from .table import KERNELS, Kernel, inplace_positions, kernel_for, kernel_rounds_own_way, scratch_specs
 
 
 # == the program ===========================================================================================
@@ -47,7 +47,7 @@ class NumpyProgram(Program):
         self.plan: Plan = make_plan(self.run_nodes, self.outputs,
                                     functools.partial(inplace_positions, table=table),
                                     functools.partial(scratch_specs, table=table))
-        # False where a kernel rounds differently from the reference run of the source graph
+        # False where a node rounds differently from the reference run of the source graph
         # (tests then compare within a tolerance): a folded matmul sum, the blocked causal attention
         self.rounds_like_reference = not any(self.rounds_own_way(n) for n in self.run_nodes)
         raw = np.empty(self.plan.arena_bytes + ALIGN, dtype=np.uint8)
@@ -67,8 +67,13 @@ class NumpyProgram(Program):
             self.poison_arena()
 
     def rounds_own_way(self, node) -> bool:
-        """Whether this program's kernel for `node` rounds differently from the reference's."""
-        return node.op in ROUNDS_OWN_WAY or node.op == "matmul_sum"
+        """Whether this program computes `node` in another arithmetic order than the reference
+        run of the source graph: its kernel declares it (the table's `rounds_own_way`: blocked
+        attention, the native C exp), or a graph pass made it with an op that rounds unlike the
+        ops it replaced (`OpDef.rounds_like_decomposition` False: the folded matmul sum)."""
+        op = REGISTRY.get(node.op)   # (None for an executor-private fused op)
+        made = op is not None and not op.rounds_like_decomposition and "made_by" in node.attrs
+        return made or kernel_rounds_own_way(node, self.kernels)
 
     def kept_bytes(self) -> int:
         """Bytes kept from forward to backward beyond the graph's own activations: the kept-value

@@ -14,10 +14,15 @@ optimizer):
 - ``scratch(node, inplace_pos) -> [(shape, dtype), ...]``: temporaries for one step; they live in
   the arena, during that step only (a value a later node reads is a tensor of the graph: a kept
   value, graphlm/passes/kept_values.py).
+- ``rounds_own_way``: True (or a function ``node -> bool``) where the kernel deliberately computes
+  its op in another arithmetic order than the op's section of graphlm/ops.py fixes (blocked
+  attention's sums, the native C exp): the one place an executor declares it. A program with such
+  a node has ``rounds_like_reference`` False and is compared with the reference within its
+  ``tolerances``; every other kernel must match the reference kernel bit for bit (tests/test_arithmetic_order.py).
 
 An op with a reference kernel but no entry here runs the reference kernel and copies its result
 into the planned buffer (correct, but it allocates); an op with neither fails at compile.
-Kernels compute exactly the reference's arithmetic, in the same order.
+Kernels compute exactly the reference's arithmetic, in the same order, unless they say otherwise.
 """
 from __future__ import annotations
 
@@ -35,16 +40,22 @@ class Kernel:
     build: Callable
     inplace: Sequence[int] | Callable = ()
     scratch: Callable | None = None
+    rounds_own_way: bool | Callable = False
+
+    def rounds_own_way_on(self, node) -> bool:
+        """This kernel's `rounds_own_way` for `node`."""
+        flag = self.rounds_own_way
+        return bool(flag(node) if callable(flag) else flag)
 
 
 KERNELS: dict[str, Kernel] = {}
 
 
-def kernel(*names, inplace=(), scratch=None):
+def kernel(*names, inplace=(), scratch=None, rounds_own_way=False):
     """Register `build` as the kernel of each op in `names`."""
     def deco(build):
         for name in names:
-            KERNELS[name] = Kernel(build, inplace, scratch)
+            KERNELS[name] = Kernel(build, inplace, scratch, rounds_own_way)
         return build
     return deco
 
@@ -86,6 +97,12 @@ def inplace_positions(node, table=KERNELS) -> Sequence[int]:
     if k is None:
         return ()
     return tuple(k.inplace(node) if callable(k.inplace) else k.inplace)
+
+
+def kernel_rounds_own_way(node, table=KERNELS) -> bool:
+    """Whether the node's kernel in `table` declares its own rounding (see the module docstring)."""
+    k = kernel_for(node.op, table)
+    return k is not None and k.rounds_own_way_on(node)
 
 
 def scratch_specs(node, pos, table=KERNELS):
