@@ -142,11 +142,15 @@ class BatchSampler:
         return rows[:, :-1], rows[:, 1:]
 
 
+def eval_batch_count(tokens: np.ndarray, batch_size: int, context_length: int) -> int:
+    """How many batches `eval_batches` makes of the whole of `tokens`."""
+    return (tokens.size - 1) // context_length // batch_size
+
+
 def eval_batches(tokens: np.ndarray, batch_size: int, context_length: int, max_batches: int | None = None):
     """Deterministic evaluation batches: consecutive non-overlapping windows from the start
     (at most `max_batches` batches; the last partial batch is dropped)."""
-    n_windows = (tokens.size - 1) // context_length
-    n_batches = n_windows // batch_size
+    n_batches = eval_batch_count(tokens, batch_size, context_length)
     if max_batches is not None:
         n_batches = min(n_batches, max_batches)
     if n_batches == 0:
@@ -160,4 +164,4 @@ def eval_batches(tokens: np.ndarray, batch_size: int, context_length: int, max_b
 
 
 __all__ = ["VOCAB_SIZE", "BUNDLED_CORPUS", "encode", "decode", "decode_bytes", "StreamDecoder",
-           "Corpus", "load_corpus", "same_data", "BatchSampler", "eval_batches"]
+           "Corpus", "load_corpus", "same_data", "BatchSampler", "eval_batch_count", "eval_batches"]

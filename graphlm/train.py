@@ -308,16 +308,30 @@ class Trainer:
         return StepResult(self.step, float(loss), float(norm), self.optimizer.lr_at(s),
                           time.perf_counter() - start)
 
-    def evaluate(self, max_batches: int | None = -1) -> float:
-        """Mean validation loss (nats per token) over the first `max_batches` batches of the
+    def validation_losses(self, max_batches: int | None = -1) -> list[float]:
+        """The mean loss (nats per token) of each of the first `max_batches` batches of the
         validation split (default: the options' eval_batches; None: all of it)."""
         if max_batches == -1:
             max_batches = self.options.eval_batches
-        losses = [float(self.eval_program.run({"tokens": x[self.rows], "targets": y[self.rows]},
-                                              self.state)[0])
-                  for x, y in data_mod.eval_batches(self.corpus.val, self.options.batch_size,
-                                                    self.config.context_length, max_batches)]
-        return float(np.mean(losses))
+        return [float(self.eval_program.run({"tokens": x[self.rows], "targets": y[self.rows]},
+                                            self.state)[0])
+                for x, y in data_mod.eval_batches(self.corpus.val, self.options.batch_size,
+                                                  self.config.context_length, max_batches)]
+
+    def evaluate(self, max_batches: int | None = -1) -> float:
+        """Mean validation loss (nats per token) over the first `max_batches` batches of the
+        validation split (default: the options' eval_batches; None: all of it)."""
+        return float(np.mean(self.validation_losses(max_batches)))
+
+    def evaluate_whole(self) -> tuple[float, float]:
+        """(the loss on the first eval_batches batches, the loss on the whole validation split),
+        both from one pass over the whole split. The first is what every periodic evaluation
+        measures (what the history and the best checkpoint compare); the second is the run's
+        quality, the figure a final evaluation reports (the split's start is easier than its
+        rest, so the two differ)."""
+        losses = self.validation_losses(None)
+        first = losses if self.options.eval_batches is None else losses[:self.options.eval_batches]
+        return float(np.mean(first)), float(np.mean(losses))
 
     def record_eval(self, val_loss: float) -> bool:
         """Append to the history; True when this is the best validation loss so far."""
@@ -488,6 +502,10 @@ def validate_training_metadata(ckpt) -> None:
             raise _field_error(where, f"extra.history[{i}].step", f"an integer in [0, {ckpt.step}]", step)
         if isinstance(val, bool) or not isinstance(val, (int, float)) or not math.isfinite(val):
             raise _field_error(where, f"extra.history[{i}].val_loss", "a finite number", val)
+        full = h.get("val_loss_full")   # a final evaluation's loss on the whole split
+        if full is not None and (isinstance(full, bool) or not isinstance(full, (int, float))
+                                 or not math.isfinite(full)):
+            raise _field_error(where, f"extra.history[{i}].val_loss_full", "a finite number or absent", full)
     best = ckpt.extra.get("best_val_loss")
     if best is not None and (isinstance(best, bool) or not isinstance(best, (int, float)) or not math.isfinite(best)):
         raise _field_error(where, "extra.best_val_loss", "a finite number or null", best)

@@ -2,6 +2,7 @@
 tiny size (seconds)."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -121,21 +122,33 @@ def test_train_then_generate_end_to_end(tmp_path, small_text, capsys):
     assert cli_main(["train", *TINY_FLAGS, "--data", small_text, "--steps", "8", "--eval-every", "4",
                      "--out", str(out)]) == 0
     captured = capsys.readouterr()
-    assert "step 4/8  val loss" in captured.err and "step 8/8  val loss" in captured.err
-    assert "tokens/s" in captured.err
+    assert "step 4/8  val loss" in captured.err and "tokens/s" in captured.err
     last = captured.out.strip().splitlines()[-1]
-    assert last.startswith("done: best val loss") and str(out / "checkpoint.safetensors") in last
-    kinds = [json.loads(line)["kind"] for line in (out / "log.jsonl").read_text().splitlines()]
+    assert last.startswith("done: val loss on the whole validation split ")
+    assert str(out / "checkpoint.safetensors") in last
+    rows = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    kinds = [r["kind"] for r in rows]
     assert kinds.count("train") == 8 and kinds.count("eval") == 2   # every step, every eval
+    evals = [r for r in rows if r["kind"] == "eval"]
+    assert "val_loss_full" not in evals[0]
     ckpt = out / "checkpoint.safetensors"
-    # the end of the run reports the whole validation split, not only its first --eval-batches
-    whole = [line for line in captured.out.splitlines() if line.startswith("validation loss on the whole split: ")]
-    assert len(whole) == 1
+    # the final evaluation covers the whole validation split, not only its first --eval-batches,
+    # and its line says so (with the first batches' figure, which the history compares)
+    final = [line for line in captured.err.splitlines() if "whole split" in line]
+    assert len(final) == 1 and final[0].startswith("step 8/8  val loss on the whole split "), final
+    m = re.search(r"whole split (\S+) \((\d+) batches; the 2 of each evaluation: (\S+)\)", final[0])
+    whole, n_batches, first = float(m[1]), int(m[2]), float(m[3])
     trained = Trainer(tiny_options(small_text, steps=8, lr=0.01, warmup=3, eval_every=4,
                                    model={**TINY_MODEL, "dropout": 0.0}))
     trained.load(ckpt)
-    assert float(whole[0].split()[6]) == pytest.approx(trained.evaluate(None), abs=1e-4)
+    assert n_batches == len(trained.validation_losses(None)) > trained.options.eval_batches
+    assert whole == pytest.approx(trained.evaluate(None), abs=1e-4)
+    assert first == pytest.approx(trained.evaluate(), abs=1e-4)
     assert trained.evaluate(None) != pytest.approx(trained.evaluate(), abs=1e-4)
+    assert evals[1]["val_loss_full"] == pytest.approx(whole, abs=1e-4)
+    assert evals[1]["val_loss"] == pytest.approx(first, abs=1e-4)
+    assert trained.history[-1]["val_loss_full"] == pytest.approx(whole, abs=1e-4)
+    assert f"{whole:.4f} at step 8" in last
     args = ["generate", "--checkpoint", str(ckpt), "--prompt", "ROMEO:", "--max-new-tokens", "40",
             "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--seed", "2"]
     assert cli_main(args) == 0

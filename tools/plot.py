@@ -4,8 +4,9 @@
     graphlm plot runs/tinylm --out loss.svg      # or .pdf
     plot_run("runs/tinylm/log.jsonl", "loss.png")
 
-Top panel: the training loss of every step (thin), its running mean (bold) and the validation
-loss at each evaluation (dots), against steps (bottom axis) and tokens seen (top axis).
+Top panel: the training loss of every step (thin), its running mean (bold), the validation
+loss at each evaluation (dots) and a final one on the whole split (a diamond), against steps
+(bottom axis) and tokens seen (top axis).
 Bottom panel: the learning rate. Nats per token on the y axis.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ from .figure import figure_format, pyplot, save_figure
 from .run_log import LOG_NAME, RunLogError, RunRecord, read_log
 
 TRAIN_COLOUR, SMOOTH_COLOUR, VAL_COLOUR, LR_COLOUR = "#9ab8d8", "#1f5a96", "#d1495b", "#3a7d44"
+WHOLE_COLOUR = "#7a2e8c"   # the final evaluation on the whole validation split
 
 
 def running_mean(values: list[float], window: int) -> list[float]:
@@ -66,7 +68,12 @@ def draw_run(record: RunRecord, title: str | None = None):
         best = min(record.evals, key=lambda r: r["val_loss"])
         ax.plot(vs, vl, color=VAL_COLOUR, lw=1.2, marker="o", ms=4,
                 label=f"validation loss (best {best['val_loss']:.3f} at step {best['step']:,})")
-    every = losses + [r["val_loss"] for r in record.evals]
+    whole = [r for r in record.evals if r.get("val_loss_full") is not None]
+    if whole:   # a final evaluation's loss on the whole split
+        ax.plot([r["step"] for r in whole], [r["val_loss_full"] for r in whole], ls="none",
+                marker="D", ms=6, color=WHOLE_COLOUR,
+                label=f"whole validation split ({whole[-1]['val_loss_full']:.3f} at step {whole[-1]['step']:,})")
+    every = losses + [r["val_loss"] for r in record.evals] + [r["val_loss_full"] for r in whole]
     finite = sorted(v for v in every if math.isfinite(v))
     if finite:   # the first steps' loss (~ln V) would flatten everything after it
         top = finite[min(len(finite) - 1, int(0.98 * len(finite)))]
@@ -107,7 +114,10 @@ def _title(record: RunRecord) -> str:
     if opts:
         bits.append(f"{opts.get('preset', '?')}, batch {opts.get('batch_size')}, lr {opts.get('lr')}")
     if record.evals:
-        bits.append(f"last val loss {record.evals[-1]['val_loss']:.3f} at step {record.evals[-1]['step']:,}")
+        last = record.evals[-1]
+        bits.append(f"last val loss {last['val_loss']:.3f} at step {last['step']:,}"
+                    + (f" ({last['val_loss_full']:.3f} on the whole split)"
+                       if last.get("val_loss_full") is not None else ""))
     return "; ".join(bits)
 
 

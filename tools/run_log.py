@@ -12,7 +12,8 @@ Row kinds (the "kind" key):
 - ``train``: one per step: step, tokens seen, loss, lr, grad_norm, tokens_per_s, gflops (the
   matmul FLOP/s of that step, analytic count), mfu (gflops over the peak), seconds, elapsed_s;
 - ``eval``: one per validation: step, tokens, val_loss, train_loss (mean over the steps since
-  the last evaluation), elapsed_s.
+  the last evaluation), elapsed_s; a session's final one also val_loss_full, the loss on the
+  whole validation split (val_loss is on its first eval_batches batches, like every other row).
 Rows of earlier versions (an eval row without "kind") read as eval rows. When a run is resumed
 from a checkpoint older than the last logged step, the rows past the checkpoint are stale: the
 reader drops them at the new session's start row.
@@ -108,11 +109,15 @@ class RunLogger:
                      "elapsed_s": round(elapsed_s, 2)})
         return t
 
-    def eval(self, step: int, val_loss: float, train_loss: float | None, elapsed_s: float) -> dict:
+    def eval(self, step: int, val_loss: float, train_loss: float | None, elapsed_s: float,
+             val_loss_full: float | None = None) -> dict:
+        """An evaluation row; `val_loss_full`, the loss on the whole split, only in a final one."""
         row = {"kind": "eval", "step": step, "tokens": step * self.tokens_per_step,
                "val_loss": round(val_loss, 5),
                "train_loss": None if train_loss is None else round(train_loss, 5),
                "elapsed_s": round(elapsed_s, 1)}
+        if val_loss_full is not None:
+            row["val_loss_full"] = round(val_loss_full, 5)
         self._write(row)
         return row
 

@@ -27,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+from graphlm.data import eval_batch_count
 from graphlm.executors import numpy as numpy_executor
 from graphlm.io.runfolder import RunLock
 from graphlm.train import BEST_NAME, CHECKPOINT_NAME, Diverged, Trainer, TrainOptions, resume_options
@@ -214,6 +215,7 @@ def _run_locked(args) -> int:
     # over several processes only process 0 writes checkpoints
     saved_to = f"checkpoint {ckpt_path}" if trainer.writes_checkpoints else "checkpoint written by process 0"
     tokens_per_step = o.batch_size * cfg.context_length
+    n_val_batches = eval_batch_count(trainer.corpus.val, o.batch_size, cfg.context_length)
     print(f"graphlm train: {o.preset} ({trainer.model.parameter_count():,} params, T={cfg.context_length}, "
           f"C={cfg.channels}, H={cfg.head_count}, N={cfg.layer_count}, dropout={cfg.dropout}) on "
           f"{trainer.corpus.source} ({trainer.corpus.train.size:,} train / {trainer.corpus.val.size:,} "
@@ -256,15 +258,21 @@ def _run_locked(args) -> int:
                         f"this state. {_files_line(trainer, ckpt_path, best_path)}; lower --lr "
                         "(or raise --warmup) and start again")
 
-    def evaluate_and_save():
-        val = trainer.evaluate()
-        why = trainer.divergence(val_loss=val)
+    def evaluate_and_save(final: bool = False):
+        # the last evaluation of a session covers the whole split (one pass: its first
+        # eval_batches batches give the figure the history and the best compare)
+        val, full = trainer.evaluate_whole() if final and o.eval_batches is not None \
+            else (trainer.evaluate(), None)
+        why = trainer.divergence(val_loss=val if full is None else max(val, full))
         if why:
             raise diverged(why)
         is_best = trainer.record_eval(val)
         train_loss = sum(train_losses) / len(train_losses) if train_losses else None
-        entry = run_log.eval(trainer.step, val, train_loss, time.perf_counter() - start)
+        entry = run_log.eval(trainer.step, val, train_loss, time.perf_counter() - start,
+                             val_loss_full=full)
         trainer.history[-1].update({k: entry[k] for k in ("train_loss", "elapsed_s")})  # val_loss unrounded
+        if full is not None:
+            trainer.history[-1]["val_loss_full"] = full
         train_losses.clear()
         try:
             trainer.save_run(out_dir, is_best=is_best)
@@ -272,8 +280,10 @@ def _run_locked(args) -> int:
             raise diverged(str(e).split(": ", 1)[-1]) from None
         if plotter is not None:
             plotter.refresh()
-        msg = (f"step {trainer.step}/{o.steps}  val loss {val:.4f}  (best {trainer.best_val_loss:.4f})  "
-               f"{saved_to}" + (f" (and {best_path.name})" if is_best and trainer.writes_checkpoints else ""))
+        whole = "" if full is None else (f"  val loss on the whole split {full:.4f} ({n_val_batches} "
+                                         f"batches; the {o.eval_batches} of each evaluation: {val:.4f})")
+        msg = (f"step {trainer.step}/{o.steps}" + (whole or f"  val loss {val:.4f}")
+               + f"  (best {trainer.best_val_loss:.4f})  {saved_to}" + (f" (and {best_path.name})" if is_best and trainer.writes_checkpoints else ""))
         (bar.write(msg) if bar else print(msg, file=log, flush=True))
 
     try:
@@ -283,7 +293,7 @@ def _run_locked(args) -> int:
                        "validating and saving (continue with --resume)")
                 (bar.write(msg) if bar else print(msg, file=log, flush=True))
                 if not trainer.history or trainer.history[-1]["step"] != trainer.step:
-                    evaluate_and_save()
+                    evaluate_and_save(final=True)
                 break
             r = trainer.train_step()
             why = trainer.divergence(loss=r.loss, grad_norm=r.grad_norm)
@@ -303,7 +313,7 @@ def _run_locked(args) -> int:
                       f"lr {r.lr:.3e}  {rate:,.0f} tokens/s  {speed['gflops']:.1f} GFLOP/s  "
                       f"MFU {speed['mfu']:.1%}", file=log, flush=True)
             if r.step % o.eval_every == 0 or r.step == o.steps:
-                evaluate_and_save()
+                evaluate_and_save(final=r.step == o.steps)
         if interrupted["flag"] and trainer.step < o.steps:
             try:
                 trainer.save(ckpt_path)
@@ -321,14 +331,12 @@ def _run_locked(args) -> int:
             bar.close()
         run_log.close()
     elapsed = time.perf_counter() - start
-    if o.eval_batches is not None and trainer.step == o.steps:
-        # the periodic evaluations read the split's first eval_batches batches; the end of a run
-        # reports the whole split (the figure docs/training.md compares recipes by)
-        t0 = time.perf_counter()
-        print(f"validation loss on the whole split: {trainer.evaluate(None):.4f} nats/byte "
-              f"({time.perf_counter() - t0:.1f} s)", flush=True)
     best = min(trainer.history, key=lambda h: h["val_loss"]) if trainer.history else None
     best_txt = f"best val loss {best['val_loss']:.4f} at step {best['step']}" if best else "no validation"
+    last = trainer.history[-1] if trainer.history else {}
+    if "val_loss_full" in last:   # the figure docs/training.md compares recipes by
+        best_txt = (f"val loss on the whole validation split {last['val_loss_full']:.4f} at step "
+                    f"{last['step']}; {best_txt} (first {o.eval_batches} batches)")
     print(f"done: {best_txt}; {trainer.step} of {o.steps} steps, {elapsed:.1f} s this session; "
           f"{_files_line(trainer, ckpt_path, best_path) if trainer.writes_checkpoints else saved_to}",
           flush=True)
