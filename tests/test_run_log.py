@@ -61,6 +61,9 @@ def test_every_step_and_eval_is_logged_with_its_throughput(run_dir):
     evals = [r for r in log if r["kind"] == "eval"]
     assert [e["step"] for e in evals] == [3, 6]
     assert evals[0]["train_loss"] == pytest.approx(np.mean([r["loss"] for r in train[:3]]), abs=1e-5)
+    # only the run's final evaluation covers the whole validation split
+    assert "val_loss_full" not in evals[0] and math.isfinite(evals[1]["val_loss_full"])
+    assert evals[1]["val_loss_full"] != evals[1]["val_loss"]
 
 
 def test_train_prints_memory_flop_rate_and_refreshes_loss_png(tmp_path, small_text, capsys):
@@ -120,6 +123,8 @@ def test_plot_writes_png_svg_and_pdf(run_dir, tmp_path, capsys):
     text = svg.read_text()
     assert text.lstrip().startswith("<?xml") and "validation loss" in text and "learning rate" in text
     assert "tokens seen" in text
+    final = rows(run_dir / "log.jsonl")[-1]
+    assert f"whole validation split ({final['val_loss_full']:.3f} at step 6)" in text
     assert cli_main(["plot", str(run_dir), "--out", str(tmp_path / "loss.pdf")]) == 0
     assert (tmp_path / "loss.pdf").read_bytes()[:4] == PDF
 
