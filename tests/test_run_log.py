@@ -82,7 +82,7 @@ def test_train_prints_memory_flop_rate_and_refreshes_loss_png(tmp_path, small_te
 
 def test_warnings_for_warmup_and_a_moved_or_overrun_horizon(tmp_path, small_text, capsys):
     out = tmp_path / "r"
-    args = [*TINY[:-4], "--data", small_text, "--eval-batches", "1", "--out", str(out)]
+    args = [*TINY[:-4], "--lr", "0.002", "--data", small_text, "--eval-batches", "1", "--out", str(out)]
     assert cli_main(["train", *args[:-1], str(tmp_path / "w"), "--steps", "2", "--warmup", "5"]) == 0
     assert "warning: warmup (5 steps) >= steps (2)" in capsys.readouterr().err
     assert cli_main(["train", *args, "--steps", "3", "--warmup", "1"]) == 0

@@ -49,8 +49,9 @@ DEFAULTS = TrainOptions()
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = DEFAULTS
-    p.add_argument("--preset", type=nonempty, help=f"model preset: tinylm, tinylm-gpt2 (no LM-head "
-                   f"bias: exports to Hugging Face and GGUF) or gpt2-small (default: {d.preset})")
+    p.add_argument("--preset", type=nonempty, help=f"model preset: tinylm-small (C=128), tinylm "
+                   f"(C=192), tinylm-gpt2 (tinylm without the LM-head bias: exports to Hugging Face "
+                   f"and GGUF) or gpt2-small (default: {d.preset})")
     p.add_argument("--config", metavar="FILE|JSON",
                    help="a JSON file or object of training options (steps, lr, batch_size, ...) "
                         "and GPTConfig fields (layer_count, channels, ...) on top of --preset, "
@@ -88,11 +89,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     j.add_argument("--num-processes", type=int, help="processes of the run")
     j.add_argument("--process-id", type=int, help="this process's id, 0 to --num-processes - 1")
     g = p.add_argument_group("model overrides of the preset")
-    g.add_argument("--context-length", type=int, help="tokens per sequence T (default: the preset's, 128)")
+    c = d.config()
+    g.add_argument("--context-length", type=int, help=f"tokens per sequence T (default: the "
+                   f"preset's, {c.context_length})")
     g.add_argument("--channels", type=int, help="embedding width C, a multiple of --heads "
-                   "(default: the preset's, 192)")
-    g.add_argument("--heads", type=int, help="attention heads H (default: the preset's, 6)")
-    g.add_argument("--layers", type=int, help="transformer blocks N (default: the preset's, 4)")
+                   f"(default: the preset's, {c.channels})")
+    g.add_argument("--heads", type=int, help=f"attention heads H (default: the preset's, {c.head_count})")
+    g.add_argument("--layers", type=int, help=f"transformer blocks N (default: the preset's, {c.layer_count})")
     g.add_argument("--dropout", type=float, help=f"dropout probability (default: "
                    f"{d.model.get('dropout', 'the preset')}; the preset says 0.1, but the default "
                    "run underfits)")
@@ -147,8 +150,10 @@ def _explicit(args) -> dict:
     if getattr(args, "config", None) is not None:
         from .cli import read_config_json, split_config
 
-        from_config = split_config(*read_config_json(args.config), preset=args.preset)
-        if "preset" not in out and from_config["preset"] != DEFAULTS.preset:
+        obj, source = read_config_json(args.config)
+        named = obj.get("preset")
+        from_config = split_config(obj, source, preset=args.preset)
+        if "preset" not in out and named is not None:   # else train's default preset
             out["preset"] = from_config["preset"]
         model = {**from_config.pop("model"), **model}
         from_config.pop("preset")

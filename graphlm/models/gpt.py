@@ -5,8 +5,9 @@
 
 Variants through `GPTConfig`: LayerNorm or RMSNorm, GELU (tanh or erf) or SwiGLU MLP of any hidden
 width, biases on or off, a head tied to the token embedding (GPT-2). Parameter names follow
-design.md section 7. Presets: "tinylm", "gpt2-small" and "book-gpt" (the complete GPT of the
-decoder-only chapter, section 26.5: V=8 T=6 C=8 H=2 N=2, RMSNorm, GELU MLP of width 16, tied).
+design.md section 7. Presets: "tinylm", "tinylm-small" (graphlm train's default), "tinylm-gpt2",
+"gpt2-small" and "book-gpt" (the complete GPT of the decoder-only chapter, section 26.5: V=8 T=6
+C=8 H=2 N=2, RMSNorm, GELU MLP of width 16, tied).
 
 `GPT(config)(tokens)` builds nodes in a graph; `logits` and `loss_and_grads` are conveniences that
 build, compile (cached per token shape and executor) and run a graph in eval mode.
@@ -133,6 +134,10 @@ class GPTConfig:
 _PRESETS: dict[str, dict[str, Any]] = {
     "tinylm": dict(vocab_size=256, context_length=128, channels=192, head_count=6, layer_count=4,
                    dropout=0.1),
+    # TinyLM at width 128 (4 heads of 32): what `graphlm train` trains by default, since half the
+    # cost per token buys twice the tokens in the main job's 6 minutes (docs/training.md)
+    "tinylm-small": dict(vocab_size=256, context_length=128, channels=128, head_count=4,
+                         layer_count=4, dropout=0.1),
     # TinyLM in GPT-2's exact layout (no LM-head bias): exports to Hugging Face and GGUF as is
     "tinylm-gpt2": dict(vocab_size=256, context_length=128, channels=192, head_count=6,
                         layer_count=4, dropout=0.1, lm_head_bias=False),
