@@ -12,6 +12,7 @@ import pytest
 
 from graphlm.data import BUNDLED_CORPUS
 from graphlm.io.checkpoint import read_checkpoint
+from graphlm.train import TrainOptions
 from graphlm.tools import cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,6 +56,7 @@ def test_train_config_takes_model_and_training_options_and_flags_win(tmp_path, c
                      "--no-plot", "--out", str(out)]) == 0
     ckpt = read_checkpoint(out / "checkpoint.safetensors")
     assert ckpt.step == 2                                         # the flag beat the file
+    assert ckpt.options["preset"] == TrainOptions().preset        # a config naming none: train's
     assert ckpt.options["lr"] == 0.005 and ckpt.options["batch_size"] == 2
     assert ckpt.config["layer_count"] == 1 and ckpt.config["channels"] == 16
     assert ckpt.config["dropout"] == 0.2
@@ -64,6 +66,11 @@ def test_train_config_takes_model_and_training_options_and_flags_win(tmp_path, c
                      "--no-plot", "--steps", "1", "--out", str(tmp_path / "s")]) == 0
     c = read_checkpoint(tmp_path / "s" / "checkpoint.safetensors")
     assert c.options["preset"] == "tinylm-gpt2" and c.config["lm_head_bias"] is False
+    # and so is a preset the config names
+    conf.write_text(json.dumps({**json.loads(conf.read_text()), "preset": "tinylm-gpt2"}))
+    assert cli.main(["train", "--config", str(conf), "--data", str(data), "--no-plot", "--steps", "1",
+                     "--out", str(tmp_path / "n")]) == 0
+    assert read_checkpoint(tmp_path / "n" / "checkpoint.safetensors").options["preset"] == "tinylm-gpt2"
 
 
 def run_shell(command: str, **kw):
