@@ -129,6 +129,13 @@ def test_stats_counts_agree_with_the_graph(capsys):
     nx_graph = graph.to_networkx()
     import networkx as nx
     assert data["depth"] == nx.dag_longest_path_length(nx_graph) + 1
+    # with no preset named, a train graph is train's default model; a forward graph the tool's
+    from graphlm.train import TrainOptions
+    code, out, _ = run(capsys, "stats", "--graph", "train", "--json")
+    train_model = GPT(TrainOptions().config())
+    assert code == 0 and json.loads(out)["parameter_elements"] == train_model.parameter_count()
+    code, out, _ = run(capsys, "stats", "--json")
+    assert json.loads(out)["parameter_elements"] == GPT(GPTConfig.preset(cli.DEFAULT_PRESET)).parameter_count()
     code, out, _ = run(capsys, "stats", "--config", SMALL, "--top", "3")
     assert code == 0 and "nodes by op" in out and "more ops" in out
 

@@ -112,11 +112,14 @@ def split_config(obj: dict, source: str = "--config", preset: str | None = None)
 def load_run(preset: str | None = None, config: str | None = None,
              train_defaults: bool = False) -> tuple[object, dict]:
     """(GPTConfig, training options) from --preset and --config. With `train_defaults`, the
-    model starts from `graphlm train`'s overrides of the preset (dropout 0.0), as train runs it."""
+    model is `graphlm train`'s: its preset where none is named, and its overrides of the preset
+    (dropout 0.0), as train runs it."""
     from graphlm.train import TrainOptions
 
     GPTConfig = _models().GPTConfig
     obj, source = read_config_json(config) if config is not None else ({}, "--preset")
+    if train_defaults and preset is None and "preset" not in obj:
+        preset = TrainOptions().preset
     options = split_config(obj, source, preset)
     base = dict(TrainOptions().model) if train_defaults else {}
     _preset(GPTConfig, options["preset"])           # an unknown preset: a clear message first
@@ -228,8 +231,9 @@ def _model_options(p: argparse.ArgumentParser, graph_default: str | None = "forw
         batch_default = _train_defaults().batch_size if graph_default == "train" else 1
     src = p.add_argument_group("model")
     src.add_argument("--preset", type=nonempty, default=None,
-                     help=f"a GPTConfig preset: tinylm, tinylm-gpt2 (no LM-head bias), gpt2-small "
-                          f"or book-gpt (default: {DEFAULT_PRESET})")
+                     help=f"a GPTConfig preset: tinylm, tinylm-small, tinylm-gpt2 (no LM-head bias), "
+                          f"gpt2-small or book-gpt (default: {DEFAULT_PRESET}; with --graph train, "
+                          f"train's: {_train_defaults().preset})")
     src.add_argument("--config", metavar="FILE|JSON", default=None,
                      help="a JSON file or object of GPTConfig fields (and training options, "
                           "which --graph train uses) on top of the preset, e.g. "
