@@ -115,9 +115,9 @@ def _title(record: RunRecord) -> str:
         bits.append(f"{opts.get('preset', '?')}, batch {opts.get('batch_size')}, lr {opts.get('lr')}")
     if record.evals:
         last = record.evals[-1]
-        bits.append(f"last val loss {last['val_loss']:.3f} at step {last['step']:,}"
-                    + (f" ({last['val_loss_full']:.3f} on the whole split)"
-                       if last.get("val_loss_full") is not None else ""))
+        bits.append(f"whole-split val loss {last['val_loss_full']:.3f} at step {last['step']:,}"
+                    if last.get("val_loss_full") is not None else
+                    f"last val loss {last['val_loss']:.3f} at step {last['step']:,}")
     return "; ".join(bits)
 
 
