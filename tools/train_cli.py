@@ -1,6 +1,6 @@
-"""`graphlm train`: train a GPT (TinyLM on the bundled tiny Shakespeare by default).
+"""`graphlm train`: train a GPT (TinyLM at width 128 on the bundled tiny Shakespeare by default).
 
-    graphlm train                                   # TinyLM, defaults below, into runs/tinylm
+    graphlm train                                   # tinylm-small, defaults below, into runs/tinylm
     graphlm train --steps 2000 --batch-size 32 --lr 2e-3 --out runs/big
     graphlm train --out runs/tinylm --resume        # continue, bit for bit
 
