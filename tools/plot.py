@@ -66,8 +66,10 @@ def draw_run(record: RunRecord, title: str | None = None):
     if record.evals:
         vs, vl = [r["step"] for r in record.evals], [r["val_loss"] for r in record.evals]
         best = min(record.evals, key=lambda r: r["val_loss"])
+        batches = next((row.get("options", {}).get("eval_batches") for row in reversed(record.starts)), None)
+        of = f"{batches} batches, " if batches else ""
         ax.plot(vs, vl, color=VAL_COLOUR, lw=1.2, marker="o", ms=4,
-                label=f"validation loss (best {best['val_loss']:.3f} at step {best['step']:,})")
+                label=f"validation loss ({of}best {best['val_loss']:.3f} at step {best['step']:,})")
     whole = [r for r in record.evals if r.get("val_loss_full") is not None]
     if whole:   # a final evaluation's loss on the whole split
         ax.plot([r["step"] for r in whole], [r["val_loss_full"] for r in whole], ls="none",
