@@ -91,6 +91,8 @@ SIGNATURES = {   # C function -> argument types (every function returns void)
     "gl_dropout_draw": (_P, _P, _P, _I, _I, _U64, _U64, _F),
     "gl_dropout_apply": (_P, _P, _P, _I, _F),
     "gl_adamw": (_P, _P, _P, _P, _I, _F, _INT, _F, _F, _F, _F, _F, _F, _F, _F),
+    "gl_matmul_small": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I),
+    "gl_matmul_small_nt": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I),
 }
 
 _library: dict[str, object] = {}
@@ -581,6 +583,86 @@ def _adamw_update(node, out, ins, scratch):
         out[...] = 0.0
     run.arrays = ins   # (the raw pointers above point into these)
     return run
+
+
+# == small products: matmuls of few rows (decoding) ==========================================================
+
+SMALL_ROWS = 16             # a matmul of at most this many rows per product runs in C (gl_matmul_small)
+MIN_SPLIT_SMALL = 1 << 20   # flops: a small product below this runs on one thread
+SMALL_COLUMN_QUANTUM = 32   # a column cut falls on a multiple of this (the C kernel's widest block)
+
+
+def _entry_offsets(x, batch) -> np.ndarray | None:
+    """The element offset of each batch entry of `x` (an operand broadcasting to `batch`, its
+    batch axes in front of its last two), in C order of `batch`; None where a stride is not a
+    whole number of elements."""
+    off = np.zeros(batch, np.int64)
+    lead = len(batch) - (x.ndim - 2)
+    for axis, (d, st) in enumerate(zip(x.shape[:-2], x.strides[:-2])):
+        if d > 1:
+            if st % x.itemsize:
+                return None
+            shape = [1] * len(batch)
+            shape[lead + axis] = d
+            off = off + (np.arange(d, dtype=np.int64) * (st // x.itemsize)).reshape(shape)
+    return off.reshape(-1)
+
+
+def small_product_layout(a, b, out):
+    """How gl_matmul_small (or _nt) takes ``a @ b -> out``: (C function name, lda, ldb, ldo,
+    offsets [entries, 3]), or None where it does not (not float32, more than SMALL_ROWS rows,
+    empty, or rows not contiguous: b's rows (NN) or columns (NT, a transposed view) must be)."""
+    m, k, n = out.shape[-2], a.shape[-1], out.shape[-1]
+    if (out.dtype != np.float32 or a.dtype != np.float32 or b.dtype != np.float32 or m > SMALL_ROWS
+            or out.size == 0 or a.ndim < 2 or b.ndim < 2):
+        return None
+    f = 4   # float32's itemsize
+    if not (a.strides[-1] == f or k <= 1) or out.strides[-1] != f or any(x.strides[-2] % f for x in (a, b, out)):
+        return None
+    if b.strides[-1] == f or n == 1 or k == 0:
+        name, ldb = "gl_matmul_small", b.strides[-2] // f
+    elif b.strides[-2] == f and b.strides[-1] % f == 0:
+        name, ldb = "gl_matmul_small_nt", b.strides[-1] // f
+    else:
+        return None
+    batch = out.shape[:-2]
+    parts = [_entry_offsets(x, batch) for x in (a, b, out)]
+    if any(p is None for p in parts):
+        return None
+    return name, a.strides[-2] // f, ldb, out.strides[-2] // f, np.ascontiguousarray(np.stack(parts, axis=1))
+
+
+def small_matmul_closure(a, b, out):
+    """``a @ b -> out`` by the C kernel for products of few rows, or None (small_product_layout).
+    Every element is computed the same way whatever the rows around it or the thread (see
+    native_kernels.c), so the pieces of a split (batch entries or column ranges) are exact."""
+    layout = small_product_layout(a, b, out)
+    if layout is None:
+        return None
+    name, lda, ldb, ldo, offsets = layout
+    fn = getattr(library(), name)
+    m, k, n, entries = out.shape[-2], a.shape[-1], out.shape[-1], len(offsets)
+    pointers = (_ptr(a), _ptr(b), _ptr(out), _ptr(offsets))
+
+    def call(e0, e1, j0, j1):
+        return functools.partial(fn, *pointers, e0, e1, m, k, lda, ldb, ldo, j0, j1)
+
+    def split(threads):
+        if 2 * entries * m * k * n < MIN_SPLIT_SMALL * threads:
+            return []
+        by_entry, by_column = even_cuts(entries, threads), even_cuts(n, threads, SMALL_COLUMN_QUANTUM)
+        if max(e - s for s, e in by_entry) / entries <= max(e - s for s, e in by_column) / n:
+            return [call(e0, e1, 0, n) for e0, e1 in by_entry]     # the more even cut (entries on a tie)
+        return [call(0, entries, j0, j1) for j0, j1 in by_column]
+    run = threaded(call(0, entries, 0, n), split)
+    run.arrays = (a, b, out, offsets)   # (the raw pointers above point into these)
+    run.small_product, run.pieces = True, split   # (for tools and tests)
+    return run
+
+
+@native_kernel("matmul", rounds_own_way=lambda node: node.shape[-2] <= SMALL_ROWS)
+def _matmul(node, out, ins, scratch):
+    return small_matmul_closure(ins[0], ins[1], out)
 
 
 # == the program and executor =================================================================================

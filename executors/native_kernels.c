@@ -284,3 +284,199 @@ void gl_adamw(float *p, const float *grad, float *m, float *v, int64_t n, float 
         p[i] = pi - (step * mi) / (sqrtf(vi) / bc2 + eps);
     }
 }
+
+/* ---- small products: matmuls of few rows (executors/native.py, "small products") --------- */
+
+/* out[e] = a[e] @ b[e] for the batch entries e in [e0, e1), over the columns [j0, j1) of each.
+ * Entry e's operands start at a + offsets[3e], b + offsets[3e + 1], out + offsets[3e + 2]
+ * (element offsets: any broadcast or stride of the batch axes); a is [m, k] with rows lda
+ * apart, out [m, n] with rows ldo apart; b is [k, n] with rows ldb apart (gl_matmul_small) or
+ * given as its transpose bt [n, k] with rows ldb apart (gl_matmul_small_nt: b = bt^T, as a key
+ * cache read by a query). Elements are contiguous along each row.
+ *
+ * Every output element is computed by one fixed sequence of roundings that depends on k alone:
+ *   NN: acc = 0; acc = MADD(a[i][p], b[p][j], acc) for p = 0, 1, ..., k-1;
+ *   NT: 16 lane sums, lane l taking p = l, l+16, ... in order (as NN), then summed as a tree
+ *       (lane l + lane l+8, then +4, +2, +1).
+ * So a row's values are the same bits whatever m (decoding 8 rows or 1), the blocking below,
+ * the column range or the thread computing it. The blocks only choose which accumulators live
+ * in registers together: R rows x W columns, b's row read once for all R rows. */
+
+#define NN_BLOCK(R, W)                                                                          \
+    static inline void nn_block_##R##x##W(const float *a, const float *b, float *o, int64_t k,  \
+                                          int64_t lda, int64_t ldb, int64_t ldo) {              \
+        float acc[R][W];                                                                        \
+        for (int r = 0; r < R; r++)                                                             \
+            for (int j = 0; j < W; j++) acc[r][j] = 0.0f;                                       \
+        for (int64_t p = 0; p < k; p++) {                                                       \
+            const float *bp = b + p * ldb;                                                      \
+            for (int r = 0; r < R; r++) {                                                       \
+                float ar = a[r * lda + p];                                                      \
+                for (int j = 0; j < W; j++) acc[r][j] = MADD(ar, bp[j], acc[r][j]);             \
+            }                                                                                   \
+        }                                                                                       \
+        for (int r = 0; r < R; r++)                                                             \
+            for (int j = 0; j < W; j++) o[r * ldo + j] = acc[r][j];                             \
+    }
+NN_BLOCK(8, 32)
+NN_BLOCK(4, 64)
+NN_BLOCK(2, 64)
+NN_BLOCK(1, 128)
+NN_BLOCK(1, 16)
+
+/* `rows` rows x `w` < 16... columns (a block's ragged right edge), 16 columns at a time */
+static void nn_edge(const float *a, const float *b, float *o, int64_t rows, int64_t k, int64_t w,
+                    int64_t lda, int64_t ldb, int64_t ldo) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j0 = 0; j0 < w; j0 += 16) {
+            int64_t cols = w - j0 < 16 ? w - j0 : 16;
+            float acc[16];
+            for (int64_t j = 0; j < cols; j++) acc[j] = 0.0f;
+            for (int64_t p = 0; p < k; p++) {
+                float ar = a[r * lda + p];
+                const float *bp = b + p * ldb + j0;
+                for (int64_t j = 0; j < cols; j++) acc[j] = MADD(ar, bp[j], acc[j]);
+            }
+            for (int64_t j = 0; j < cols; j++) o[r * ldo + j0 + j] = acc[j];
+        }
+}
+
+/* rows [i, i + R) of one product, columns [j0, j1): W-wide blocks, then the edge */
+#define NN_ROWS(R, W)                                                                           \
+    for (; i + R <= m; i += R) {                                                                \
+        int64_t j = j0;                                                                         \
+        for (; j + W <= j1; j += W) nn_block_##R##x##W(a + i * lda, b + j, o + i * ldo + j, k, lda, ldb, ldo); \
+        if (R == 1)                                                                             \
+            for (; j + 16 <= j1; j += 16) nn_block_1x16(a + i * lda, b + j, o + i * ldo + j, k, lda, ldb, ldo); \
+        if (j < j1) nn_edge(a + i * lda, b + j, o + i * ldo + j, R, k, j1 - j, lda, ldb, ldo);  \
+    }
+
+static void nn_product(const float *a, const float *b, float *o, int64_t m, int64_t k,
+                       int64_t lda, int64_t ldb, int64_t ldo, int64_t j0, int64_t j1) {
+    int64_t i = 0;
+    NN_ROWS(8, 32)
+    NN_ROWS(4, 64)
+    NN_ROWS(2, 64)
+    NN_ROWS(1, 128)
+}
+
+void gl_matmul_small(const float *a, const float *b, float *o, const int64_t *offsets, int64_t e0,
+                     int64_t e1, int64_t m, int64_t k, int64_t lda, int64_t ldb, int64_t ldo,
+                     int64_t j0, int64_t j1) {
+    for (int64_t e = e0; e < e1; e++)
+        nn_product(a + offsets[3 * e], b + offsets[3 * e + 1], o + offsets[3 * e + 2], m, k, lda,
+                   ldb, ldo, j0, j1);
+}
+
+/* NT: one dot product's 16 lane sums into acc (lane l: p = l, l+16, ... < k, in order) */
+static inline void nt_lanes(const float *x, const float *y, int64_t k, float acc[16]) {
+    int64_t p = 0;
+    for (; p + 16 <= k; p += 16)
+        for (int l = 0; l < 16; l++) acc[l] = MADD(x[p + l], y[p + l], acc[l]);
+    for (int l = 0; p + l < k; l++) acc[l] = MADD(x[p + l], y[p + l], acc[l]);
+}
+
+static inline float lanes_tree(float acc[16]) {
+    for (int h = 8; h >= 1; h /= 2)
+        for (int l = 0; l < h; l++) acc[l] += acc[l + h];
+    return acc[0];
+}
+
+/* NT, rows [i0, i1) x columns [j0, j1) of one product, one dot product at a time */
+static void nt_scalar(const float *a, const float *bt, float *o, int64_t i0, int64_t i1,
+                      int64_t j0, int64_t j1, int64_t k, int64_t lda, int64_t ldb, int64_t ldo) {
+    for (int64_t i = i0; i < i1; i++)
+        for (int64_t j = j0; j < j1; j++) {
+            float acc[16] = {0};
+            nt_lanes(a + i * lda, bt + j * ldb, k, acc);
+            o[i * ldo + j] = lanes_tree(acc);
+        }
+}
+
+#if defined(__AVX512F__) && defined(__FMA__)
+#include <immintrin.h>
+
+#define NT_PREFETCH 64   /* floats ahead in each row of bt: +10-15 % on a weight streamed from L3 */
+
+/* 16 vectors of lane sums -> one vector: lane L holds the lanes_tree sum of v[4*(L%4) + L/4]
+ * (each level adds lane l and lane l+h of every source, as lanes_tree does, h = 8, 4, 2, 1) */
+static inline __m512 nt_reduce16(const __m512 v[16]) {
+    __m512 t[8], u[4], w[2];
+    for (int i = 0; i < 8; i++)   /* h = 8: [v2i(l) + v2i(l+8) | v2i+1(l) + v2i+1(l+8)] */
+        t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++)   /* h = 4: one source's four sums per 128-bit chunk */
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++)   /* h = 2 */
+        w[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88),   /* h = 1 */
+                         _mm512_shuffle_ps(w[0], w[1], 0xDD));
+}
+
+/* NT block of R rows x J columns (R*J = 16): out[i + r][j + c] for its 16 dot products */
+static inline __attribute__((always_inline)) void nt_block(const float *a, const float *bt,
+        float *o, int64_t k, int64_t lda, int64_t ldb, int64_t ldo, const int R, const int J) {
+    __m512 acc[16];
+    for (int s = 0; s < 16; s++) acc[s] = _mm512_setzero_ps();
+    int64_t p = 0;
+    for (; p <= k; p += 16) {
+        __mmask16 mask = p + 16 <= k ? (__mmask16)0xFFFF : (__mmask16)((1u << (k - p)) - 1u);
+        if (!mask) break;
+        __m512 x[8], y[16];
+        for (int r = 0; r < R; r++) x[r] = _mm512_maskz_loadu_ps(mask, a + r * lda + p);
+        for (int c = 0; c < J; c++) {
+            y[c] = _mm512_maskz_loadu_ps(mask, bt + c * ldb + p);
+            _mm_prefetch((const char *)(bt + c * ldb + p + NT_PREFETCH), _MM_HINT_T0);
+        }
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < J; c++) {   /* lane sum s = the reduction's source of lane r*J + c */
+                int L = r * J + c, s = 4 * (L % 4) + L / 4;
+                acc[s] = _mm512_mask3_fmadd_ps(x[r], y[c], acc[s], mask);
+            }
+    }
+    float sums[16];
+    _mm512_storeu_ps(sums, nt_reduce16(acc));
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < J; c++) o[r * ldo + c] = sums[r * J + c];
+}
+
+#define NT_ROWS(R, J)                                                                           \
+    for (; i + R <= m; i += R) {                                                                \
+        int64_t j = j0;                                                                         \
+        for (; j + J <= j1; j += J) nt_block(ae + i * lda, be + j * ldb, oe + i * ldo + j, k, lda, ldb, ldo, R, J); \
+        nt_scalar(ae, be, oe, i, i + R, j, j1, k, lda, ldb, ldo);                               \
+    }
+
+/* the columns [j0, j1) of one product: per 4 columns, all row blocks of 4 (b's rows stay in L1) */
+static void nt_product(const float *ae, const float *be, float *oe, int64_t m, int64_t k,
+                       int64_t lda, int64_t ldb, int64_t ldo, int64_t j0, int64_t j1) {
+    if (m >= 4) {
+        int64_t j = j0;
+        for (; j + 4 <= j1; j += 4) {
+            int64_t i = 0;
+            for (; i + 4 <= m; i += 4) nt_block(ae + i * lda, be + j * ldb, oe + i * ldo + j, k, lda, ldb, ldo, 4, 4);
+            for (; i < m; i++) nt_scalar(ae, be, oe, i, i + 1, j, j + 4, k, lda, ldb, ldo);
+        }
+        nt_scalar(ae, be, oe, 0, m, j, j1, k, lda, ldb, ldo);
+        return;
+    }
+    int64_t i = 0;
+    NT_ROWS(2, 8)
+    NT_ROWS(1, 16)
+}
+#else
+static void nt_product(const float *ae, const float *be, float *oe, int64_t m, int64_t k,
+                       int64_t lda, int64_t ldb, int64_t ldo, int64_t j0, int64_t j1) {
+    nt_scalar(ae, be, oe, 0, m, j0, j1, k, lda, ldb, ldo);
+}
+#endif
+
+void gl_matmul_small_nt(const float *a, const float *bt, float *o, const int64_t *offsets,
+                        int64_t e0, int64_t e1, int64_t m, int64_t k, int64_t lda, int64_t ldb,
+                        int64_t ldo, int64_t j0, int64_t j1) {
+    for (int64_t e = e0; e < e1; e++)
+        nt_product(a + offsets[3 * e], bt + offsets[3 * e + 1], o + offsets[3 * e + 2], m, k, lda,
+                   ldb, ldo, j0, j1);
+}
