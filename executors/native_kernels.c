@@ -321,7 +321,9 @@ void gl_adamw(float *p, const float *grad, float *m, float *v, int64_t n, float 
 NN_BLOCK(8, 32)
 NN_BLOCK(4, 64)
 NN_BLOCK(2, 64)
+NN_BLOCK(1, 256)
 NN_BLOCK(1, 128)
+NN_BLOCK(1, 64)
 NN_BLOCK(1, 16)
 
 /* `rows` rows x `w` < 16... columns (a block's ragged right edge), 16 columns at a time */
@@ -346,8 +348,6 @@ static void nn_edge(const float *a, const float *b, float *o, int64_t rows, int6
     for (; i + R <= m; i += R) {                                                                \
         int64_t j = j0;                                                                         \
         for (; j + W <= j1; j += W) nn_block_##R##x##W(a + i * lda, b + j, o + i * ldo + j, k, lda, ldb, ldo); \
-        if (R == 1)                                                                             \
-            for (; j + 16 <= j1; j += 16) nn_block_1x16(a + i * lda, b + j, o + i * ldo + j, k, lda, ldb, ldo); \
         if (j < j1) nn_edge(a + i * lda, b + j, o + i * ldo + j, R, k, j1 - j, lda, ldb, ldo);  \
     }
 
@@ -357,13 +357,59 @@ static void nn_product(const float *a, const float *b, float *o, int64_t m, int6
     NN_ROWS(8, 32)
     NN_ROWS(4, 64)
     NN_ROWS(2, 64)
-    NN_ROWS(1, 128)
+    if (i < m) {   /* the last row: blocks as wide as fit (a block's k-long chains are its latency) */
+        int64_t j = j0;
+        const float *ai = a + i * lda;
+        float *oi = o + i * ldo;
+        for (; j + 256 <= j1; j += 256) nn_block_1x256(ai, b + j, oi + j, k, lda, ldb, ldo);
+        if (j + 128 <= j1) { nn_block_1x128(ai, b + j, oi + j, k, lda, ldb, ldo); j += 128; }
+        if (j + 64 <= j1) { nn_block_1x64(ai, b + j, oi + j, k, lda, ldb, ldo); j += 64; }
+        for (; j + 16 <= j1; j += 16) nn_block_1x16(ai, b + j, oi + j, k, lda, ldb, ldo);
+        if (j < j1) nn_edge(ai, b + j, oi + j, 1, k, j1 - j, lda, ldb, ldo);
+    }
+}
+
+/* one row x 32 columns of Q products at once (entry q's a, b, out at a[q], b[q], o[q]): 2Q
+ * independent accumulator chains where one product has two (a query's read of the value cache) */
+static inline __attribute__((always_inline)) void nn_entries_1x32(const float *const a[4],
+        const float *const b[4], float *const o[4], int64_t k, int64_t ldb, const int Q) {
+    float acc[4][32];
+    for (int q = 0; q < Q; q++)
+        for (int j = 0; j < 32; j++) acc[q][j] = 0.0f;
+    for (int64_t p = 0; p < k; p++)
+        for (int q = 0; q < Q; q++) {
+            float ap = a[q][p];
+            const float *bp = b[q] + p * ldb;
+            for (int j = 0; j < 32; j++) acc[q][j] = MADD(ap, bp[j], acc[q][j]);
+        }
+    for (int q = 0; q < Q; q++)
+        for (int j = 0; j < 32; j++) o[q][j] = acc[q][j];
 }
 
 void gl_matmul_small(const float *a, const float *b, float *o, const int64_t *offsets, int64_t e0,
                      int64_t e1, int64_t m, int64_t k, int64_t lda, int64_t ldb, int64_t ldo,
                      int64_t j0, int64_t j1) {
-    for (int64_t e = e0; e < e1; e++)
+    int64_t e = e0;
+    if (m == 1 && j1 - j0 < 128)   /* one row of few columns: four (or two) entries at a time */
+        for (int Q = 4; Q >= 2; Q /= 2)
+            for (; e + Q <= e1; e += Q) {
+                const int64_t *f = offsets + 3 * e;
+                int64_t j = j0;
+                for (; j + 32 <= j1; j += 32) {
+                    const float *aq[4], *bq[4];
+                    float *oq[4];
+                    for (int q = 0; q < Q; q++) {
+                        aq[q] = a + f[3 * q];
+                        bq[q] = b + f[3 * q + 1] + j;
+                        oq[q] = o + f[3 * q + 2] + j;
+                    }
+                    if (Q == 4) nn_entries_1x32(aq, bq, oq, k, ldb, 4);
+                    else nn_entries_1x32(aq, bq, oq, k, ldb, 2);
+                }
+                for (int q = 0; q < Q && j < j1; q++)
+                    nn_product(a + f[3 * q], b + f[3 * q + 1], o + f[3 * q + 2], 1, k, lda, ldb, ldo, j, j1);
+            }
+    for (; e < e1; e++)
         nn_product(a + offsets[3 * e], b + offsets[3 * e + 1], o + offsets[3 * e + 2], m, k, lda,
                    ldb, ldo, j0, j1);
 }
@@ -415,31 +461,45 @@ static inline __m512 nt_reduce16(const __m512 v[16]) {
                          _mm512_shuffle_ps(w[0], w[1], 0xDD));
 }
 
-/* NT block of R rows x J columns (R*J = 16): out[i + r][j + c] for its 16 dot products */
+/* v's lanes from `first` on, moved down to lane 0 */
+static inline __m512 lanes_from(int first, __m512 v) {
+    return _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                  _mm512_set1_epi32(first)), v);
+}
+
+/* NT block of R rows x J columns (R*J = 16): out[r][c] for its 16 dot products */
 static inline __attribute__((always_inline)) void nt_block(const float *a, const float *bt,
         float *o, int64_t k, int64_t lda, int64_t ldb, int64_t ldo, const int R, const int J) {
-    __m512 acc[16];
+    __m512 acc[16], x[8], y[16];
     for (int s = 0; s < 16; s++) acc[s] = _mm512_setzero_ps();
     int64_t p = 0;
-    for (; p <= k; p += 16) {
-        __mmask16 mask = p + 16 <= k ? (__mmask16)0xFFFF : (__mmask16)((1u << (k - p)) - 1u);
-        if (!mask) break;
-        __m512 x[8], y[16];
-        for (int r = 0; r < R; r++) x[r] = _mm512_maskz_loadu_ps(mask, a + r * lda + p);
+    for (; p + 16 <= k; p += 16) {
+        for (int r = 0; r < R; r++) x[r] = _mm512_loadu_ps(a + r * lda + p);
         for (int c = 0; c < J; c++) {
-            y[c] = _mm512_maskz_loadu_ps(mask, bt + c * ldb + p);
+            y[c] = _mm512_loadu_ps(bt + c * ldb + p);
             _mm_prefetch((const char *)(bt + c * ldb + p + NT_PREFETCH), _MM_HINT_T0);
         }
         for (int r = 0; r < R; r++)
-            for (int c = 0; c < J; c++) {   /* lane sum s = the reduction's source of lane r*J + c */
+            for (int c = 0; c < J; c++) {   /* lane sum s: the reduction's source of lane r*J + c */
+                int L = r * J + c, s = 4 * (L % 4) + L / 4;
+                acc[s] = _mm512_fmadd_ps(x[r], y[c], acc[s]);
+            }
+    }
+    if (p < k) {   /* the last k % 16 terms, in lanes 0.. (the others left as they are) */
+        __mmask16 mask = (__mmask16)((1u << (k - p)) - 1u);
+        for (int r = 0; r < R; r++) x[r] = _mm512_maskz_loadu_ps(mask, a + r * lda + p);
+        for (int c = 0; c < J; c++) y[c] = _mm512_maskz_loadu_ps(mask, bt + c * ldb + p);
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < J; c++) {
                 int L = r * J + c, s = 4 * (L % 4) + L / 4;
                 acc[s] = _mm512_mask3_fmadd_ps(x[r], y[c], acc[s], mask);
             }
     }
-    float sums[16];
-    _mm512_storeu_ps(sums, nt_reduce16(acc));
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < J; c++) o[r * ldo + c] = sums[r * J + c];
+    __m512 sums = nt_reduce16(acc);   /* lane r*J + c: out[r][c] */
+    for (int r = 0; r < R; r++) {
+        __m512 row = r ? lanes_from(r * J, sums) : sums;
+        _mm512_mask_storeu_ps(o + r * ldo, (__mmask16)((1u << J) - 1u), row);
+    }
 }
 
 #define NT_ROWS(R, J)                                                                           \

@@ -72,6 +72,17 @@ def test_a_rows_bits_do_not_depend_on_the_other_rows(layout):
             assert small_product(a[:m], b).tobytes() == rows[:m].tobytes(), (layout, k, n, m)
 
 
+@pytest.mark.parametrize("layout", ["nn", "nt"])
+@pytest.mark.parametrize("k,n", [(128, 32), (40, 45), (7, 130)])
+def test_a_batch_entrys_bits_do_not_depend_on_the_other_entries(layout, k, n):
+    """Entry e of a batched product (a query against its head's value or key cache; one-row
+    entries are interleaved four at a time) is the product of entry e alone, bit for bit."""
+    a, b = operands(np.random.default_rng(k + n), 1, k, n, layout, batch=(3, 6))
+    got = small_product(a, b)
+    for e in np.ndindex(3, 6):
+        assert small_product(a[e], b[e]).tobytes() == got[e].tobytes(), e
+
+
 @pytest.mark.threads
 @pytest.mark.parametrize("threads", [2, 3])
 def test_small_products_do_not_depend_on_the_thread_count(monkeypatch, threads):
