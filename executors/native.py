@@ -2,14 +2,22 @@
 
 ``executors.get("native")`` plans memory, fuses and threads exactly as the numpy executor does
 (it is a `NumpyProgram` with another kernel table): the same arena, the same schedule, NumPy and
-BLAS for the matmuls. What changes is the kernels below, each one fused pass in C over the planned
-float32 arrays instead of several NumPy passes (executors/native_kernels.c):
+BLAS for the matmuls of many rows. What changes is the kernels below, each one fused pass in C over
+the planned float32 arrays instead of several NumPy passes (executors/native_kernels.c):
 
     exp, tanh GELU and its backward          (a vectorised float32 exp, within 2 ulp)
+    softmax over the last axis               (rowmax, exp, rowsum and divide in one pass per row)
     layer norm and its backward              (one pass per row; row sums in 16 partial sums)
     causal attention's softmax and gradient  (the matmuls stay BLAS; the blocks' softmax in C)
     dropout                                  (the mask drawn and applied in one pass)
     AdamW                                    (one pass per parameter)
+    matmuls of at most SMALL_ROWS rows       (decoding: x @ W^T, a query against the caches)
+
+Small products. BLAS takes other paths for a product of 1 row (GEMV) and of 8 (small-m GEMM,
+at a third of the core's rate), so a batch-8 decode step cost 2-3x what it could and its rows
+rounded unlike batch 1's. In C every output element is one fixed sequence of fused
+multiply-adds that depends on k alone (native_kernels.c, "small products"): a row of a batch is
+the bits of that row computed alone, whatever the blocking, the column cut or the thread.
 
 A kernel whose arrays are not float32 and C-contiguous runs the numpy executor's kernel (they
 ask for the same scratch, so either fits the plan).
@@ -81,6 +89,7 @@ class NativeUnavailable(RuntimeError):
 _P, _I, _U64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64, ctypes.c_float, ctypes.c_int
 SIGNATURES = {   # C function -> argument types (every function returns void)
     "gl_exp": (_P, _P, _I),
+    "gl_softmax_rows": (_P, _P, _I, _I),
     "gl_gelu_tanh": (_P, _P, _P, _I, _F, _F),
     "gl_gelu_tanh_sigmoid": (_P, _P, _I, _F, _F),
     "gl_gelu_tanh_backward": (_P, _P, _P, _P, _I, _F, _F, _F, _F),
@@ -356,6 +365,17 @@ def _exp(node, out, ins, scratch):
     fn = library().gl_exp
     return _split_calls(lambda lo, hi: functools.partial(fn, _at(x, 1, lo), _at(out, 1, lo), hi - lo),
                         out.size, 1, (x, out))
+
+
+@native_kernel("softmax", rounds_own_way=True)
+def _softmax(node, out, ins, scratch):
+    (x,) = ins
+    if node.dtype != np.float32 or node.attrs["axis"] != node.ndim - 1 or x.shape != out.shape \
+            or not _native(x, out) or node.size == 0:
+        return None
+    fn, cols = library().gl_softmax_rows, node.shape[-1]
+    return _split_calls(lambda lo, hi: functools.partial(fn, _at(x, cols, lo), _at(out, cols, lo), hi - lo, cols),
+                        node.size // cols, cols, (x, out))
 
 
 def _gelu_closure(node, x, out, keep):

@@ -137,6 +137,18 @@ void gl_gelu_tanh_backward(const float *x, const float *g, const float *kept, fl
     }
 }
 
+/* Softmax of each row of `cols` floats: y = exp(x - rowmax) / rowsum (y may be x). */
+void gl_softmax_rows(const float *x, float *y, int64_t rows, int64_t cols) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * cols;
+        float *yr = y + r * cols;
+        float mx = row_max(xr, cols);
+        for (int64_t i = 0; i < cols; i++) yr[i] = exp_f32(xr[i] - mx);
+        float s = row_sum(yr, cols);
+        for (int64_t i = 0; i < cols; i++) yr[i] = yr[i] / s;
+    }
+}
+
 /* ---- layer norm (rows of `cols` floats) ------------------------------------------------- */
 
 /* y = (x - mean) / sqrt(mean((x - mean)^2) + eps) * w + b per row (w, b may be NULL). Kept for

@@ -5,13 +5,16 @@ its transposed-operand form) and what it guarantees, and batch-N sampling agains
   a query against a transposed key cache, a broadcast batch of QKV weights, ragged edges);
 - a row's bits do not depend on the rows around it (m), the thread count or the cut;
 - a batch-8 decode gives each row the bits batch-1 decodes give it; greedy rows of a batch equal
-  batch-1 greedy runs (both executors); seeded batch sampling gives row i the sample of seed + i.
+  batch-1 greedy runs (both executors); seeded batch sampling gives row i the sample of seed + i;
+- the native softmax over the decode attention's masked scores.
 """
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+import graphlm as gl
+from graphlm import executors
 from graphlm.executors import native
 from graphlm.executors import numpy as numpy_executor
 from graphlm.models import GPT, GPTConfig
@@ -184,3 +187,25 @@ def test_decode_uses_the_small_product_kernel(model_and_params):
     prog = gen._program(None)
     matmuls = [s for n, s in zip(prog._step_nodes, prog._steps) if n.op == "matmul"]
     assert matmuls and all(getattr(s, "small_product", False) for s in matmuls)
+
+
+# -- the softmax of the decode attention (one pass per row in C) -------------------------------------
+
+@pytest.mark.threads
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_softmax_matches_the_reference_with_masked_keys(monkeypatch, threads):
+    monkeypatch.setattr(native, "MIN_SPLIT", 1)
+    numpy_executor.set_threads(threads)
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((8, 6, 1, 129)) * 5).astype(np.float32)
+    x[..., 40:128] = -np.inf                      # the cache slots past the position
+    g = gl.Graph("softmax")
+    y = gl.softmax(g.input("x", x.shape, np.float32), axis=-1)
+    prog = native.NativeExecutor().compile(g, [y])
+    got = prog.run({"x": x})[0]
+    assert "softmax" in prog.native_ops()
+    want = executors.get("reference").compile(g, [y]).run({"x": x})[0]
+    assert np.all(got[..., 40:128] == 0) and np.all(np.isfinite(got))
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7)
+    numpy_executor.set_threads(1)
+    assert prog.run({"x": x})[0].tobytes() == got.tobytes()   # the thread count changes nothing
