@@ -18,7 +18,7 @@ from graphlm import executors
 from graphlm.executors import native
 from graphlm.executors import numpy as numpy_executor
 from graphlm.models import GPT, GPTConfig
-from graphlm.sample import Generator
+from graphlm.sample import Generator, descending_order
 
 pytestmark = pytest.mark.usefixtures("native")   # skipped without a C compiler (failed in CI)
 
@@ -209,3 +209,15 @@ def test_native_softmax_matches_the_reference_with_masked_keys(monkeypatch, thre
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7)
     numpy_executor.set_threads(1)
     assert prog.run({"x": x})[0].tobytes() == got.tobytes()   # the thread count changes nothing
+
+
+def test_descending_order_is_the_stable_argsort_with_ties_zeros_and_infinities():
+    rng = np.random.default_rng(8)
+    z = rng.integers(-3, 4, (8, 300)).astype(np.float32) / 2     # many ties
+    z[0, :5] = [np.inf, -np.inf, -0.0, 0.0, np.inf]
+    z[1] = -np.inf
+    z[2, ::2] = -0.0
+    z[3] = rng.standard_normal(300).astype(np.float32) * 1e30
+    z[4, :3] = [np.finfo(np.float32).tiny, -np.finfo(np.float32).tiny, np.float32(1e-45)]
+    for rows in (z, z[:1], z[5:7]):
+        assert descending_order(rows).tolist() == np.argsort(-rows, axis=1, kind="stable").tolist()
