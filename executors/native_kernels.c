@@ -339,7 +339,7 @@ NN_BLOCK(1, 128)
 NN_BLOCK(1, 64)
 NN_BLOCK(1, 16)
 
-/* `rows` rows x `w` < 16... columns (a block's ragged right edge), 16 columns at a time */
+/* `rows` rows x `w` columns (a block's ragged right edge), 16 columns at a time */
 static void nn_edge(const float *a, const float *b, float *o, int64_t rows, int64_t k, int64_t w,
                     int64_t lda, int64_t ldb, int64_t ldo) {
     for (int64_t r = 0; r < rows; r++)
