@@ -2,14 +2,22 @@
 
 ``executors.get("native")`` plans memory, fuses and threads exactly as the numpy executor does
 (it is a `NumpyProgram` with another kernel table): the same arena, the same schedule, NumPy and
-BLAS for the matmuls. What changes is the kernels below, each one fused pass in C over the planned
-float32 arrays instead of several NumPy passes (executors/native_kernels.c):
+BLAS for the matmuls of many rows. What changes is the kernels below, each one fused pass in C over
+the planned float32 arrays instead of several NumPy passes (executors/native_kernels.c):
 
     exp, tanh GELU and its backward          (a vectorised float32 exp, within 2 ulp)
+    softmax over the last axis               (rowmax, exp, rowsum and divide in one pass per row)
     layer norm and its backward              (one pass per row; row sums in 16 partial sums)
     causal attention's softmax and gradient  (the matmuls stay BLAS; the blocks' softmax in C)
     dropout                                  (the mask drawn and applied in one pass)
     AdamW                                    (one pass per parameter)
+    matmuls of at most SMALL_ROWS rows       (decoding: x @ W^T, a query against the caches)
+
+Small products. BLAS takes other paths for a product of 1 row (GEMV) and of 8 (small-m GEMM,
+at a third of the core's rate), so a batch-8 decode step cost 2-3x what it could and its rows
+rounded unlike batch 1's. In C every output element is one fixed sequence of fused
+multiply-adds that depends on k alone (native_kernels.c, "small products"): a row of a batch is
+the bits of that row computed alone, whatever the blocking, the column cut or the thread.
 
 A kernel whose arrays are not float32 and C-contiguous runs the numpy executor's kernel (they
 ask for the same scratch, so either fits the plan).
@@ -81,6 +89,7 @@ class NativeUnavailable(RuntimeError):
 _P, _I, _U64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64, ctypes.c_float, ctypes.c_int
 SIGNATURES = {   # C function -> argument types (every function returns void)
     "gl_exp": (_P, _P, _I),
+    "gl_softmax_rows": (_P, _P, _I, _I),
     "gl_gelu_tanh": (_P, _P, _P, _I, _F, _F),
     "gl_gelu_tanh_sigmoid": (_P, _P, _I, _F, _F),
     "gl_gelu_tanh_backward": (_P, _P, _P, _P, _I, _F, _F, _F, _F),
@@ -91,6 +100,8 @@ SIGNATURES = {   # C function -> argument types (every function returns void)
     "gl_dropout_draw": (_P, _P, _P, _I, _I, _U64, _U64, _F),
     "gl_dropout_apply": (_P, _P, _P, _I, _F),
     "gl_adamw": (_P, _P, _P, _P, _I, _F, _INT, _F, _F, _F, _F, _F, _F, _F, _F),
+    "gl_matmul_small": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I),
+    "gl_matmul_small_nt": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I),
 }
 
 _library: dict[str, object] = {}
@@ -356,6 +367,17 @@ def _exp(node, out, ins, scratch):
                         out.size, 1, (x, out))
 
 
+@native_kernel("softmax", rounds_own_way=True)
+def _softmax(node, out, ins, scratch):
+    (x,) = ins
+    if node.dtype != np.float32 or node.attrs["axis"] != node.ndim - 1 or x.shape != out.shape \
+            or not _native(x, out) or node.size == 0:
+        return None
+    fn, cols = library().gl_softmax_rows, node.shape[-1]
+    return _split_calls(lambda lo, hi: functools.partial(fn, _at(x, cols, lo), _at(out, cols, lo), hi - lo, cols),
+                        node.size // cols, cols, (x, out))
+
+
 def _gelu_closure(node, x, out, keep):
     fn = library().gl_gelu_tanh
     return _split_calls(lambda lo, hi: functools.partial(fn, _at(x, 1, lo), _at(out, 1, lo), _at(keep, 1, lo),
@@ -581,6 +603,86 @@ def _adamw_update(node, out, ins, scratch):
         out[...] = 0.0
     run.arrays = ins   # (the raw pointers above point into these)
     return run
+
+
+# == small products: matmuls of few rows (decoding) ==========================================================
+
+SMALL_ROWS = 16             # a matmul of at most this many rows per product runs in C (gl_matmul_small)
+MIN_SPLIT_SMALL = 1 << 20   # flops: a small product below this runs on one thread
+SMALL_COLUMN_QUANTUM = 32   # a column cut falls on a multiple of this (the C kernel's widest block)
+
+
+def _entry_offsets(x, batch) -> np.ndarray | None:
+    """The element offset of each batch entry of `x` (an operand broadcasting to `batch`, its
+    batch axes in front of its last two), in C order of `batch`; None where a stride is not a
+    whole number of elements."""
+    off = np.zeros(batch, np.int64)
+    lead = len(batch) - (x.ndim - 2)
+    for axis, (d, st) in enumerate(zip(x.shape[:-2], x.strides[:-2])):
+        if d > 1:
+            if st % x.itemsize:
+                return None
+            shape = [1] * len(batch)
+            shape[lead + axis] = d
+            off = off + (np.arange(d, dtype=np.int64) * (st // x.itemsize)).reshape(shape)
+    return off.reshape(-1)
+
+
+def small_product_layout(a, b, out):
+    """How gl_matmul_small (or _nt) takes ``a @ b -> out``: (C function name, lda, ldb, ldo,
+    offsets [entries, 3]), or None where it does not (not float32, more than SMALL_ROWS rows,
+    empty, or rows not contiguous: b's rows (NN) or columns (NT, a transposed view) must be)."""
+    m, k, n = out.shape[-2], a.shape[-1], out.shape[-1]
+    if (out.dtype != np.float32 or a.dtype != np.float32 or b.dtype != np.float32 or m > SMALL_ROWS
+            or out.size == 0 or a.ndim < 2 or b.ndim < 2):
+        return None
+    f = 4   # float32's itemsize
+    if not (a.strides[-1] == f or k <= 1) or out.strides[-1] != f or any(x.strides[-2] % f for x in (a, b, out)):
+        return None
+    if b.strides[-1] == f or n == 1 or k == 0:
+        name, ldb = "gl_matmul_small", b.strides[-2] // f
+    elif b.strides[-2] == f and b.strides[-1] % f == 0:
+        name, ldb = "gl_matmul_small_nt", b.strides[-1] // f
+    else:
+        return None
+    batch = out.shape[:-2]
+    parts = [_entry_offsets(x, batch) for x in (a, b, out)]
+    if any(p is None for p in parts):
+        return None
+    return name, a.strides[-2] // f, ldb, out.strides[-2] // f, np.ascontiguousarray(np.stack(parts, axis=1))
+
+
+def small_matmul_closure(a, b, out):
+    """``a @ b -> out`` by the C kernel for products of few rows, or None (small_product_layout).
+    Every element is computed the same way whatever the rows around it or the thread (see
+    native_kernels.c), so the pieces of a split (batch entries or column ranges) are exact."""
+    layout = small_product_layout(a, b, out)
+    if layout is None:
+        return None
+    name, lda, ldb, ldo, offsets = layout
+    fn = getattr(library(), name)
+    m, k, n, entries = out.shape[-2], a.shape[-1], out.shape[-1], len(offsets)
+    pointers = (_ptr(a), _ptr(b), _ptr(out), _ptr(offsets))
+
+    def call(e0, e1, j0, j1):
+        return functools.partial(fn, *pointers, e0, e1, m, k, lda, ldb, ldo, j0, j1)
+
+    def split(threads):
+        if 2 * entries * m * k * n < MIN_SPLIT_SMALL * threads:
+            return []
+        by_entry, by_column = even_cuts(entries, threads), even_cuts(n, threads, SMALL_COLUMN_QUANTUM)
+        if max(e - s for s, e in by_entry) / entries <= max(e - s for s, e in by_column) / n:
+            return [call(e0, e1, 0, n) for e0, e1 in by_entry]     # the more even cut (entries on a tie)
+        return [call(0, entries, j0, j1) for j0, j1 in by_column]
+    run = threaded(call(0, entries, 0, n), split)
+    run.arrays = (a, b, out, offsets)   # (the raw pointers above point into these)
+    run.small_product, run.pieces = True, split   # (for tools and tests)
+    return run
+
+
+@native_kernel("matmul", rounds_own_way=lambda node: node.shape[-2] <= SMALL_ROWS)
+def _matmul(node, out, ins, scratch):
+    return small_matmul_closure(ins[0], ins[1], out)
 
 
 # == the program and executor =================================================================================
