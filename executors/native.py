@@ -69,6 +69,7 @@ from .numpy.attention import build_causal_attention, build_causal_attention_back
 from .numpy.dropout import keep_threshold
 from .numpy.norms import layer_norm_keep_views
 from .numpy.optimizer import adamw_schedule
+from .numpy import pool
 from .numpy.pool import parallel, threaded
 from .numpy.tiling import even_cuts, size_groups
 
@@ -608,7 +609,6 @@ def _adamw_update(node, out, ins, scratch):
 # == small products: matmuls of few rows (decoding) ==========================================================
 
 SMALL_ROWS = 16             # a matmul of at most this many rows per product runs in C (gl_matmul_small)
-MIN_SPLIT_SMALL = 1 << 20   # flops: a small product below this runs on one thread
 SMALL_COLUMN_QUANTUM = 32   # a column cut falls on a multiple of this (the C kernel's widest block)
 
 
@@ -668,7 +668,7 @@ def small_matmul_closure(a, b, out):
         return functools.partial(fn, *pointers, e0, e1, m, k, lda, ldb, ldo, j0, j1)
 
     def split(threads):
-        if 2 * entries * m * k * n < MIN_SPLIT_SMALL * threads:
+        if 2 * entries * m * k * n < pool.MIN_SPLIT_FLOPS:   # as every product: a split costs more
             return []
         by_entry, by_column = even_cuts(entries, threads), even_cuts(n, threads, SMALL_COLUMN_QUANTUM)
         if max(e - s for s, e in by_entry) / entries <= max(e - s for s, e in by_column) / n:

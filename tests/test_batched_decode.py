@@ -89,7 +89,7 @@ def test_a_batch_entrys_bits_do_not_depend_on_the_other_entries(layout, k, n):
 @pytest.mark.threads
 @pytest.mark.parametrize("threads", [2, 3])
 def test_small_products_do_not_depend_on_the_thread_count(monkeypatch, threads):
-    monkeypatch.setattr(native, "MIN_SPLIT_SMALL", 1)
+    monkeypatch.setattr(numpy_executor.pool, "MIN_SPLIT_FLOPS", 1)
     rng = np.random.default_rng(3)
     cases = [operands(rng, 8, 192, 768, "nt"), operands(rng, 1, 32, 128, "nt", batch=(3, 6)),
              operands(rng, 4, 64, 40, "nn", batch=(3,))]
