@@ -18,33 +18,51 @@ from .tiling import balanced_axis, cut_along, even_cuts, flat_view
 ROW_QUANTUM_CANDIDATES = (8, 16, 24, 32, 48, 64, 96)   # matmul row blocks: see matmul_parts
 
 
-def _probe_like(x: np.ndarray, rng) -> np.ndarray:
-    """Random values in an array of x's shape, dtype and strides (64-byte aligned, as the arena),
-    for trying a product's cuts without touching x."""
+def _strided_empty(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """An uninitialised array of x's shape, dtype and strides (64-byte aligned, as the arena),
+    and the flat buffer under it."""
     if any(st < 0 for st in x.strides):
-        return rng.standard_normal(x.shape).astype(x.dtype)
+        flat = np.empty(x.size, x.dtype)
+        return flat.reshape(x.shape), flat
     span = 1 + sum((d - 1) * st for d, st in zip(x.shape, x.strides)) // x.itemsize if x.size else 1
     raw = np.empty(span * x.itemsize + ALIGN, np.uint8)
     start = -raw.ctypes.data % ALIGN
-    buf = raw[start:start + span * x.itemsize].view(x.dtype)
-    buf[...] = rng.standard_normal(span)
-    return np.lib.stride_tricks.as_strided(buf, x.shape, x.strides)
+    flat = raw[start:start + span * x.itemsize].view(x.dtype)
+    return np.lib.stride_tricks.as_strided(flat, x.shape, x.strides), flat
+
+
+def _probe_like(x: np.ndarray, rng) -> np.ndarray:
+    """Random values in an array of x's shape, dtype and strides, for trying a product's cuts
+    without touching x (drawn in float32 up to float32: no float64 copy of a large operand)."""
+    out, flat = _strided_empty(x)
+    flat[...] = rng.standard_normal(flat.size, dtype=np.float32 if x.itemsize <= 4 else np.float64)
+    return out
+
+
+def _same_bits(x: np.ndarray, y: np.ndarray) -> bool:
+    bits = np.dtype(f"i{x.dtype.itemsize}")
+    return bool(np.array_equal(x.view(bits), y.view(bits)))
 
 
 def pieces_round_as_whole(a, b, out, axis: int, cuts, matmul=np.matmul) -> bool:
     """Whether ``a @ b -> out`` computed as the products of its pieces [s, e) along out's `axis`
     gives the whole product's bytes. Tried on random operands of the same shapes, strides and
     dtype: a BLAS call's order of operations depends on its shapes (blocking, register tiles, the
-    small-matrix and gemv paths), not on the values, so one try decides every later run."""
+    small-matrix and gemv paths), not on the values, so one try decides every later run.
+    `out` receives the whole probe product (call this only where out is about to be written:
+    the kernel's first run on that many threads), and each piece is computed into one buffer of
+    its own shape and strides, so the try costs the two operands and one piece, not two outputs."""
     rng = np.random.default_rng(0)
     pa, pb = _probe_like(a, rng), _probe_like(b, rng)
-    whole, split = np.empty(out.shape, out.dtype), np.full(out.shape, np.nan, out.dtype)
-    matmul(pa, pb, whole)
+    matmul(pa, pb, out)
     rows = axis == out.ndim - 2
     for s, e in cuts:
-        matmul(cut_along(pa, out.ndim, axis, s, e), pb if rows else cut_along(pb, out.ndim, axis, s, e),
-               cut_along(split, out.ndim, axis, s, e))
-    return whole.tobytes() == split.tobytes()
+        want = cut_along(out, out.ndim, axis, s, e)
+        got, _ = _strided_empty(want)
+        matmul(cut_along(pa, out.ndim, axis, s, e), pb if rows else cut_along(pb, out.ndim, axis, s, e), got)
+        if not _same_bits(got, want):
+            return False
+    return True
 
 
 _checked_cuts: dict[tuple, bool] = {}
