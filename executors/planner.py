@@ -39,6 +39,13 @@ def aligned(nbytes: int) -> int:
     return -(-int(nbytes) // ALIGN) * ALIGN
 
 
+def aligned_buffer(nbytes: int) -> np.ndarray:
+    """`nbytes` uninitialised bytes starting on an ALIGN boundary (the arena's, and its stand-ins')."""
+    raw = np.empty(int(nbytes) + ALIGN, dtype=np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    return raw[start:start + int(nbytes)]
+
+
 @dataclass
 class Entry:
     """Where one node's value lives.

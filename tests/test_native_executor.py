@@ -177,8 +177,8 @@ def test_causal_attention_forward_and_backward(small_pieces, t, threads):
     feeds = {n: rng.standard_normal(shape).astype(np.float32) for n in "qkv"}
     _threads(threads)
     prog, got, _, want = run_all(g, outputs, feeds)
-    from graphlm.passes.kept_values import KEEP_SCORES_PER_OUTPUT
-    kept = gl.ops.attention_score_size(t) <= KEEP_SCORES_PER_OUTPUT * t * 8   # long T over D = 8: recomputed
+    from graphlm.passes.kept_values import keeps_scores
+    kept = keeps_scores(shape)   # a long T over D = 8: the scores recomputed
     assert prog.native_ops() == ({"causal_attention_keep", "causal_attention_backward_kept"} if kept
                                  else {"causal_attention", "causal_attention_backward"})
     close32(got, want, "attention", rtol=1e-4, atol=1e-5)

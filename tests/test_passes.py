@@ -233,7 +233,7 @@ def test_a_causal_attention_keeps_its_scores_only_where_they_are_cheap(monkeypat
         q, k, v = (g.input(n, (1, 16, d)) for n in "qkv")
         y = gl.causal_attention(q, k, v)
         grads = gl.grad(gl.sum(y * y), [q, k, v])
-        assert (160 <= kept_values.KEEP_SCORES_PER_OUTPUT * 16 * d) == kept
+        assert (160 <= kept_values.KEEP_SCORES_PER_OUTPUT * 16 * d) == kept == kept_values.keeps_scores((1, 16, d))
         rw = passes.rewrite(g, [y, *grads], KEPT_VALUES)
         assert ("causal_attention_keep" in ops_of(rw.graph)) == kept, d
         assert ("causal_attention_backward" in ops_of(rw.graph)) != kept, d

@@ -8,7 +8,7 @@ import numpy as np
 
 from graphlm.ops import matmul_sum_folding
 
-from ..planner import ALIGN
+from ..planner import aligned_buffer
 from . import pool
 from .pool import threaded
 from .table import kernel
@@ -25,9 +25,7 @@ def _strided_empty(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         flat = np.empty(x.size, x.dtype)
         return flat.reshape(x.shape), flat
     span = 1 + sum((d - 1) * st for d, st in zip(x.shape, x.strides)) // x.itemsize if x.size else 1
-    raw = np.empty(span * x.itemsize + ALIGN, np.uint8)
-    start = -raw.ctypes.data % ALIGN
-    flat = raw[start:start + span * x.itemsize].view(x.dtype)
+    flat = aligned_buffer(span * x.itemsize).view(x.dtype)
     return np.lib.stride_tricks.as_strided(flat, x.shape, x.strides), flat
 
 

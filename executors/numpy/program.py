@@ -22,7 +22,7 @@ from graphlm.registry import REGISTRY
 
 from .. import reference
 from ..base import Program, normalize_outputs
-from ..planner import ALIGN, Plan, apply_view, make_plan
+from ..planner import Plan, aligned_buffer, apply_view, make_plan
 from .table import KERNELS, Kernel, inplace_positions, kernel_for, kernel_rounds_own_way, scratch_specs
 
 
@@ -50,9 +50,7 @@ class NumpyProgram(Program):
         # False where a node rounds differently from the reference run of the source graph
         # (tests then compare within a tolerance): a folded matmul sum, the blocked causal attention
         self.rounds_like_reference = not any(self.rounds_own_way(n) for n in self.run_nodes)
-        raw = np.empty(self.plan.arena_bytes + ALIGN, dtype=np.uint8)
-        start = (-raw.__array_interface__["data"][0]) % ALIGN
-        self._arena = raw[start:start + self.plan.arena_bytes]
+        self._arena = aligned_buffer(self.plan.arena_bytes)
         self._dedicated = {e.node_id: np.empty(self.graph.nodes[e.node_id].shape,
                                                self.graph.nodes[e.node_id].dtype)
                            for e in self.plan.entries.values() if e.kind == "output"}

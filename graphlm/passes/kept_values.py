@@ -98,12 +98,18 @@ def _own_attention_backward(fwd, back) -> bool:
             and all(a is b for a, b in zip(back.inputs[:3], fwd.inputs)))
 
 
+def keeps_scores(shape, query_block: int | None = None) -> bool:
+    """Whether a causal attention of q's `shape` keeps its scores for its backward: E costs at
+    most KEEP_SCORES_PER_OUTPUT elements per element of the output."""
+    (_, _, y_size, _), (_, e0, e1, _) = causal_attention_keep_layout(shape, query_block)[:2]
+    return e1 - e0 <= KEEP_SCORES_PER_OUTPUT * y_size
+
+
 def _attention(node, ctx):
     if not any(_own_attention_backward(node, r) for r in ctx.readers(node)):
         return None
     query_block = ops.ATTENTION_QUERY_BLOCK   # (read now: tests vary it)
-    (_, _, y_size, _), (_, e0, e1, _) = causal_attention_keep_layout(node.shape, query_block)[:2]
-    if e1 - e0 > KEEP_SCORES_PER_OUTPUT * y_size:
+    if not keeps_scores(node.shape, query_block):
         return None
     flat = ctx.emit("causal_attention_keep", [ctx.new(i) for i in node.inputs], scale=node.attrs["scale"],
                     query_block=query_block)
