@@ -18,6 +18,9 @@ at a third of the core's rate), so a batch-8 decode step cost 2-3x what it could
 rounded unlike batch 1's. In C every output element is one fixed sequence of fused
 multiply-adds that depends on k alone (native_kernels.c, "small products"): a row of a batch is
 the bits of that row computed alone, whatever the blocking, the column cut or the thread.
+On n threads they run as n pieces on a team of C threads (native_team.c), which take a piece
+in a fraction of a microsecond: a decode step's products are a few microseconds each, less
+than the numpy pool's Python threads take to hand one over.
 
 A kernel whose arrays are not float32 and C-contiguous runs the numpy executor's kernel (they
 ask for the same scratch, so either fits the plan).
@@ -29,8 +32,8 @@ check them bit for bit. exp, GELU, layer norm and the attention softmax round th
 (`native_kernel(..., rounds_own_way=...)`): `NativeProgram.rounds_like_reference` is then False
 and tests compare them with the reference within float32 tolerances.
 
-Building. The C file is compiled on first use (as tinygrad's CLANG back end does) with ``$CC``
-(default ``cc``) and ``-O3 -march=native``, into ``$GRAPHLM_CACHE_DIR`` (default
+Building. The C files (SOURCES) are compiled into one library on first use (as tinygrad's
+CLANG back end does) with ``$CC`` (default ``cc``) and ``-O3 -march=native``, into ``$GRAPHLM_CACHE_DIR`` (default
 ``~/.cache/graphlm``), named by a hash of the source, flags, compiler and CPU; later processes
 load the cached library. Its size and sha256 are recorded beside it at build time
 (``native-KEY.so.json``) and checked before every load, with every kernel symbol: a truncated,
@@ -73,9 +76,10 @@ from .numpy import pool
 from .numpy.pool import parallel, threaded
 from .numpy.tiling import even_cuts, size_groups
 
-SOURCE = Path(__file__).with_name("native_kernels.c")
+SOURCES = (Path(__file__).with_name("native_kernels.c"),   # the kernels
+           Path(__file__).with_name("native_team.c"))      # the worker team that splits small products
 FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-std=c11",
-         "-fPIC", "-shared")
+         "-fPIC", "-shared", "-pthread")
 HOST_FLAGS = ("-march=native",)   # dropped when the compiler does not take it
 
 MIN_SPLIT = 1 << 16   # elements: a native kernel below this runs on one thread
@@ -103,6 +107,7 @@ SIGNATURES = {   # C function -> argument types (every function returns void)
     "gl_adamw": (_P, _P, _P, _P, _I, _F, _INT, _F, _F, _F, _F, _F, _F, _F, _F),
     "gl_matmul_small": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I),
     "gl_matmul_small_nt": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I),
+    "gl_team_run": (_P, _I),
 }
 
 _library: dict[str, object] = {}
@@ -169,13 +174,13 @@ def _private(path: Path) -> bool:
 
 
 def _compile(cc: list[str], target: Path) -> None:
-    """Compile SOURCE into `target` (written whole or not at all), with its size and hash recorded
+    """Compile SOURCES into `target` (written whole or not at all), with its size and hash recorded
     beside it (`_record_path`) so a later load can tell a damaged file from a good one."""
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     try:
         tried = []
         for extra in (HOST_FLAGS, ()):
-            cmd = [*cc, *FLAGS, *extra, str(SOURCE), "-o", str(tmp), "-lm"]
+            cmd = [*cc, *FLAGS, *extra, *map(str, SOURCES), "-o", str(tmp), "-lm"]
             done = _run_compiler(cmd)
             if done.returncode == 0:
                 os.chmod(tmp, 0o600)
@@ -187,7 +192,7 @@ def _compile(cc: list[str], target: Path) -> None:
                 return
             tried.append(f"$ {' '.join(cmd)}\n{done.stderr.strip()[-2000:]}")
         raise NativeUnavailable("the native executor could not compile its kernels "
-                                f"({SOURCE.name}):\n" + "\n".join(tried))
+                                f"({', '.join(src.name for src in SOURCES)}):\n" + "\n".join(tried))
     finally:
         for leftover in (tmp, tmp.with_name(tmp.name + ".json")):
             if os.path.exists(leftover):
@@ -254,7 +259,8 @@ def _build_and_load():
         version = _run_compiler([*cc, "--version"]).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise NativeUnavailable(f"the native executor could not run the C compiler '{' '.join(cc)}': {e}") from None
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS + HOST_FLAGS), " ".join(cc), version,
+    sources = [src.read_text() for src in SOURCES]
+    key = hashlib.sha256("\0".join([*sources, " ".join(FLAGS + HOST_FLAGS), " ".join(cc), version,
                                     _cpu_signature()]).encode()).hexdigest()[:20]
     name = f"native-{key}.so"
     folder = _usable_cache_dir()
@@ -610,6 +616,8 @@ def _adamw_update(node, out, ins, scratch):
 
 SMALL_ROWS = 16             # a matmul of at most this many rows per product runs in C (gl_matmul_small)
 SMALL_COLUMN_QUANTUM = 32   # a column cut falls on a multiple of this (the C kernel's widest block)
+TEAM_MIN_FLOPS = 1 << 16    # a small product below this runs whole on n threads (a piece handed over costs ~1 us)
+TEAM_PIECE_WORDS = 14       # int64 words per piece of gl_team_run's table (native_team.c, PIECE_WORDS)
 
 
 def _entry_offsets(x, batch) -> np.ndarray | None:
@@ -655,7 +663,10 @@ def small_product_layout(a, b, out):
 def small_matmul_closure(a, b, out):
     """``a @ b -> out`` by the C kernel for products of few rows, or None (small_product_layout).
     Every element is computed the same way whatever the rows around it or the thread (see
-    native_kernels.c), so the pieces of a split (batch entries or column ranges) are exact."""
+    native_kernels.c), so the pieces of a split (batch entries or column ranges) are exact. On
+    n threads a product of at least TEAM_MIN_FLOPS runs as n pieces on the C worker team
+    (native_team.c: a piece is handed over in a fraction of a microsecond, where the Python pool
+    costs tens), one table of pieces built per n."""
     layout = small_product_layout(a, b, out)
     if layout is None:
         return None
@@ -663,20 +674,39 @@ def small_matmul_closure(a, b, out):
     fn = getattr(library(), name)
     m, k, n, entries = out.shape[-2], a.shape[-1], out.shape[-1], len(offsets)
     pointers = (_ptr(a), _ptr(b), _ptr(out), _ptr(offsets))
+    whole = functools.partial(fn, *pointers, 0, entries, m, k, lda, ldb, ldo, 0, n)
+    kind = 1 if name == "gl_matmul_small_nt" else 0
 
-    def call(e0, e1, j0, j1):
-        return functools.partial(fn, *pointers, e0, e1, m, k, lda, ldb, ldo, j0, j1)
-
-    def split(threads):
-        if 2 * entries * m * k * n < pool.MIN_SPLIT_FLOPS:   # as every product: a split costs more
+    def pieces(threads):
+        """The cuts [(e0, e1, j0, j1), ...] on `threads` threads ([] where it runs whole)."""
+        if threads < 2 or 2 * entries * m * k * n < TEAM_MIN_FLOPS:
             return []
         by_entry, by_column = even_cuts(entries, threads), even_cuts(n, threads, SMALL_COLUMN_QUANTUM)
         if max(e - s for s, e in by_entry) / entries <= max(e - s for s, e in by_column) / n:
-            return [call(e0, e1, 0, n) for e0, e1 in by_entry]     # the more even cut (entries on a tie)
-        return [call(0, entries, j0, j1) for j0, j1 in by_column]
-    run = threaded(call(0, entries, 0, n), split)
-    run.arrays = (a, b, out, offsets)   # (the raw pointers above point into these)
-    run.small_product, run.pieces = True, split   # (for tools and tests)
+            cuts = [(e0, e1, 0, n) for e0, e1 in by_entry]     # the more even cut (entries on a tie)
+        else:
+            cuts = [(0, entries, j0, j1) for j0, j1 in by_column]
+        return cuts if len(cuts) > 1 else []
+
+    tables: dict[int, np.ndarray | None] = {}
+    team = library().gl_team_run
+
+    def run():
+        threads = get_threads()
+        if threads == 1:
+            return whole()
+        table = tables.get(threads, False)
+        if table is False:
+            cuts = pieces(threads)
+            table = tables[threads] = np.array(
+                [(kind, *pointers, e0, e1, m, k, lda, ldb, ldo, j0, j1) for e0, e1, j0, j1 in cuts],
+                np.int64).reshape(len(cuts), TEAM_PIECE_WORDS) if cuts else None
+        if table is None:
+            return whole()
+        team(table.ctypes.data, len(table))
+    run.whole = whole
+    run.arrays = (a, b, out, offsets, tables)   # (the raw pointers above point into these)
+    run.small_product, run.pieces = True, pieces   # (for tools and tests)
     return run
 
 

@@ -89,7 +89,7 @@ def test_a_batch_entrys_bits_do_not_depend_on_the_other_entries(layout, k, n):
 @pytest.mark.threads
 @pytest.mark.parametrize("threads", [2, 3])
 def test_small_products_do_not_depend_on_the_thread_count(monkeypatch, threads):
-    monkeypatch.setattr(numpy_executor.pool, "MIN_SPLIT_FLOPS", 1)
+    monkeypatch.setattr(native, "TEAM_MIN_FLOPS", 1)
     rng = np.random.default_rng(3)
     cases = [operands(rng, 8, 192, 768, "nt"), operands(rng, 1, 32, 128, "nt", batch=(3, 6)),
              operands(rng, 4, 64, 40, "nn", batch=(3,))]
@@ -101,6 +101,56 @@ def test_small_products_do_not_depend_on_the_thread_count(monkeypatch, threads):
         assert len(run.pieces(threads)) >= 2   # (it is cut)
         run()
         assert out.tobytes() == want.tobytes()
+
+
+@pytest.mark.threads
+def test_the_worker_team_serves_concurrent_callers_and_a_forked_child(monkeypatch):
+    """Two user threads running split products at once (one runs its pieces itself), and a
+    child forked after the team started (it has none of the parent's worker threads) get the
+    one-thread bits and do not hang."""
+    import os
+    import threading
+    monkeypatch.setattr(native, "TEAM_MIN_FLOPS", 1)
+    rng = np.random.default_rng(5)
+    cases = [operands(rng, 8, 192, 768, "nn"), operands(rng, 1, 768, 192, "nt")]
+    want = [small_product(a, b) for a, b in cases]
+    numpy_executor.set_threads(2)
+    outs = [[np.empty_like(w) for w in want] for _ in range(2)]
+    runs = [[native.small_matmul_closure(a, b, out) for (a, b), out in zip(cases, row)] for row in outs]
+    errors = []
+
+    def hammer(row):
+        try:
+            for _ in range(300):
+                for run in runs[row]:
+                    run()
+        except BaseException as e:   # (reported below)
+            errors.append(e)
+    threads = [threading.Thread(target=hammer, args=(row,)) for row in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors and not any(t.is_alive() for t in threads)
+    for row in outs:
+        assert [o.tobytes() for o in row] == [w.tobytes() for w in want]
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:   # the child: a split product on its own new team, the result to the parent
+        try:
+            os.close(read)
+            out = np.empty_like(want[0])
+            native.small_matmul_closure(*cases[0], out)()
+            os.write(write, out.tobytes())
+        finally:
+            os._exit(0)
+    os.close(write)
+    got = b""
+    while chunk := os.read(read, 1 << 16):
+        got += chunk
+    os.close(read)
+    os.waitpid(pid, 0)
+    assert got == want[0].tobytes()
 
 
 def test_layouts_it_does_not_take_fall_back_to_numpy():
