@@ -47,6 +47,9 @@ from graphlm.ir import Graph  # noqa: E402
 from graphlm.models import GPT, GPTConfig  # noqa: E402
 from graphlm.sample import Generator  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from llama_peer import LlamaCpp, llama_unavailable  # noqa: E402  llama.cpp, imported only with --llama
+
 
 # -- PyTorch eager: the same model, with a KV cache ------------------------------------------------
 class TorchGPT:
@@ -167,55 +170,6 @@ def torch_prefill(tm, torch, prompt) -> float:
         return clock() - t0
 
 
-# -- llama.cpp (llama-cpp-python), on the same weights through the GGUF exporter -------------------
-class LlamaCpp:
-    """The weights exported by graphlm.io.export.export_gguf, run by llama.cpp on `threads` threads;
-    greedy from graphlm's logits of the last evaluated token."""
-
-    def __init__(self, config: GPTConfig, params: dict, threads: int, path: Path):
-        from graphlm.io.export import export_gguf
-        import llama_cpp
-        self.lib, self.vocab = llama_cpp, config.vocab_size
-        export_gguf(config, params, path, overwrite=True)
-        self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=config.context_length, n_batch=512,
-                                   n_threads=threads, n_threads_batch=threads, verbose=False)
-
-    def logits(self) -> np.ndarray:
-        ptr = self.lib.llama_get_logits_ith(self.llm.ctx, -1)
-        return np.ctypeslib.as_array(ptr, shape=(self.vocab,)).copy()
-
-    def prefill(self, prompt) -> float:
-        self.llm.reset()
-        t0 = clock()
-        self.llm.eval(list(prompt))
-        return clock() - t0
-
-    def decode(self, prompt, n):
-        seq = [int(t) for t in prompt]
-        self.prefill(seq)
-        times = []
-        for _ in range(n):
-            seq.append(int(np.argmax(self.logits())))
-            t0 = clock()
-            self.llm.eval([seq[-1]])
-            times.append(clock() - t0)
-        return seq[len(prompt):], times
-
-
-def llama_unavailable() -> str | None:
-    """Why --llama cannot run here (None: it can)."""
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        return ("--llama needs llama-cpp-python (not a graphlm dependency); build it as "
-                "benchmarks/README.md says")
-    try:
-        from graphlm.io.export import export_gguf  # noqa: F401
-    except ImportError:
-        return "--llama needs graphlm's GGUF exporter (graphlm.io.export.export_gguf)"
-    return None
-
-
 EXECUTOR = "native"   # graphlm's executor (--executor)
 PREFILL_BEST = 5      # prefills per turn, the fastest kept: a slice of a loaded machine hides a 2 ms one
 
@@ -299,7 +253,7 @@ def main(argv=None) -> int:
     if args.llama:
         import tempfile
         tmp = tempfile.TemporaryDirectory()
-        llama = LlamaCpp(config, params, args.threads, Path(tmp.name) / "model.gguf")
+        llama = LlamaCpp.from_params(config, params, args.threads, Path(tmp.name) / "model.gguf", clock)
         variants["llama_cpp_kv_cache"] = lambda: llama.decode(prompt, args.new_tokens)
         prefills["llama_cpp"] = llama.prefill
         llama.prefill(long_prompt)   # llama.cpp's first call allocates its graph and buffers

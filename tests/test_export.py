@@ -133,6 +133,28 @@ def test_gguf_in_llama_cpp_gpt2_layout_gives_graphlms_logits(tmp_path, tie):
     np.testing.assert_allclose(got, reference_logits(model, params)[0], rtol=2e-4, atol=2e-4)
 
 
+def test_gguf_of_gpt2_smalls_layout_pads_the_vocabulary_and_ties_the_head(tmp_path):
+    """GPT-2 small's layout (tied head, no head bias: what benchmarks/gpt2_small.py --llama
+    exports) at a tiny width and a padded vocabulary (512 here, 50257 there; gguf's reader takes a
+    second over 50257 names): ids past the 256 bytes are unused placeholders, and the head is
+    token_embd, so the logits over every id are graphlm's."""
+    gguf = pytest.importorskip("gguf")
+    config = GPTConfig.preset("gpt2-small", **{**SMALL, "vocab_size": 512, "channels": 8, "dropout": 0.0})
+    model = GPT(config)
+    rng = np.random.default_rng(4)
+    params = {k: (v + rng.normal(0, 0.2, v.shape)).astype(np.float32) for k, v in model.init(4).items()}
+    reader = gguf.GGUFReader(export_gguf(config, params, tmp_path / "g.gguf"))
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    types = reader.fields["tokenizer.ggml.token_type"].contents()
+    assert len(tokens) == len(types) == 512 and len(set(tokens)) == 512
+    assert tokens[255] == "\u00ff" and tokens[256] == "<unused256>" and tokens[-1] == "<unused511>"
+    assert set(types[:256]) == {int(gguf.TokenType.NORMAL)} and set(types[256:]) == {int(gguf.TokenType.UNUSED)}
+    assert "output.weight" not in {x.name for x in reader.tensors}
+    tokens_in = np.array([[511, 0, 300, 7, 256, 255]])
+    got = llama_cpp_gpt2_logits(reader, tokens_in[0])
+    np.testing.assert_allclose(got, model.logits(params, tokens_in, executor="reference")[0], rtol=2e-4, atol=2e-4)
+
+
 def test_bytes_to_unicode_is_gpt2s_map():
     m = bytes_to_unicode()
     assert len(set(m.values())) == 256
