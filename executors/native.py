@@ -74,6 +74,7 @@ from .numpy.norms import layer_norm_keep_views
 from .numpy.optimizer import adamw_schedule
 from .numpy import pool
 from .numpy.pool import parallel, threaded
+from .numpy.matmul import matmul_closure, matmul_parts, matmul_sum_closure, probe_like, same_bits, strided_empty
 from .numpy.tiling import even_cuts, size_groups
 
 SOURCES = (Path(__file__).with_name("native_kernels.c"),   # the kernels
@@ -710,9 +711,138 @@ def small_matmul_closure(a, b, out):
     return run
 
 
+# == BLAS products on the team (a training step's products on n threads) ==================================
+# The numpy executor cuts a large product into pieces that round as the whole (matmul_parts) and
+# runs them on its Python pool, whose hand-over of the GIL cost 50-100 us a piece here. In this
+# executor the same pieces run on the C worker team as the very cblas_sgemm calls NumPy's matmul
+# makes for them, checked once per product against np.matmul on random operands of its shapes and
+# strides (a BLAS other than the one NumPy calls, or a call NumPy would make another way, shows
+# there). Where the check fails or no OpenBLAS is loaded, the pieces run on the Python pool.
+
+SGEMM_WORDS = 11   # int64 words per call in a BLAS piece's table (native_team.c, SGEMM_WORDS)
+_sgemm: dict[str, tuple[int, int] | None] = {}
+
+
+def blas_sgemm() -> tuple[int, int] | None:
+    """(address of the cblas_sgemm of NumPy's OpenBLAS, the team's piece kind for it: 2 where it
+    takes 64-bit integers, 3 for 32-bit), or None where no OpenBLAS with one is loaded."""
+    if "fn" not in _sgemm:
+        found = None
+        for path in pool.openblas_libraries():
+            try:
+                lib = ctypes.CDLL(path)
+            except OSError:
+                continue
+            for name, kind in (("scipy_cblas_sgemm64_", 2), ("cblas_sgemm64_", 2),
+                               ("scipy_cblas_sgemm", 3), ("cblas_sgemm", 3)):
+                fn = getattr(lib, name, None)
+                if fn is not None:
+                    found = (ctypes.cast(fn, ctypes.c_void_p).value, kind)
+                    break
+            if found:
+                break
+        _sgemm["fn"] = found
+    return _sgemm["fn"]
+
+
+def _blas_operand(x) -> tuple[int, int] | None:
+    """(transposed, leading dimension) of a 2-D float32 view as NumPy's matmul hands it to a
+    row-major cblas_sgemm (not transposed where it can be), or None where it cannot."""
+    (r, c), (s0, s1), f = x.shape, x.strides, x.itemsize
+    if s1 == f and s0 % f == 0 and s0 // f >= max(1, c):
+        return 0, s0 // f
+    if s0 == f and s1 % f == 0 and s1 // f >= max(1, r):
+        return 1, s1 // f
+    return None
+
+
+def sgemm_calls(a, b, out) -> list[tuple] | None:
+    """The cblas_sgemm calls [(transa, transb, m, n, k, a, lda, b, ldb, c, ldc), ...] that compute
+    ``a @ b -> out`` (a batch entry one call each), or None where it is not made of plain float32
+    GEMMs (a vector, an output NumPy would write transposed, a @ a.T, which NumPy hands to syrk)."""
+    if out.dtype != np.float32 or a.dtype != np.float32 or b.dtype != np.float32 or min(a.ndim, b.ndim) < 2:
+        return None
+    batch = out.shape[:-2]
+    a, b = (np.broadcast_to(x, batch + x.shape[-2:]) for x in (a, b))
+    calls = []
+    for e in np.ndindex(*batch):
+        ae, be, oe = a[e], b[e], out[e]
+        m, k, n = oe.shape[0], ae.shape[1], oe.shape[1]
+        ta, tb, to = _blas_operand(ae), _blas_operand(be), _blas_operand(oe)
+        if None in (ta, tb, to) or to[0] or min(m, n, k) < 2 or _ptr(ae) == _ptr(be):
+            return None
+        calls.append((ta[0], tb[0], m, n, k, _ptr(ae), ta[1], _ptr(be), tb[1], _ptr(oe), to[1]))
+    return calls
+
+
+def _team_table(calls_per_piece, sgemm) -> tuple[np.ndarray, np.ndarray]:
+    """(pieces, calls) tables for gl_team_run: piece i makes the calls calls_per_piece[i]."""
+    fn, kind = sgemm
+    calls = np.array([c for piece in calls_per_piece for c in piece], np.int64).reshape(-1, SGEMM_WORDS)
+    pieces, c0 = np.zeros((len(calls_per_piece), TEAM_PIECE_WORDS), np.int64), 0
+    for i, piece in enumerate(calls_per_piece):
+        pieces[i, :5] = (kind, fn, calls.ctypes.data, c0, c0 + len(piece))
+        c0 += len(piece)
+    return pieces, calls
+
+
+def blas_team_tables(a, b, out, threads, sgemm):
+    """(pieces, calls) running ``a @ b -> out`` on `threads` threads of the team, or None where
+    the numpy executor's cut (matmul_parts) is none or its calls do not give np.matmul's bytes."""
+    parts = matmul_parts(a, b, out, threads)
+    calls = [sgemm_calls(*part) for part in parts]
+    if len(parts) < 2 or any(c is None for c in calls) or any(st < 0 for x in (a, b, out) for st in x.strides):
+        return None
+    # the check: the same calls moved onto random operands of the same shapes and strides
+    rng = np.random.default_rng(0)
+    pa, pb, got, want = probe_like(a, rng), probe_like(b, rng), strided_empty(out)[0], strided_empty(out)[0]
+    np.matmul(pa, pb, want)
+    moves = [(_ptr(a), a.nbytes, _ptr(pa)), (_ptr(b), b.nbytes, _ptr(pb)), (_ptr(out), out.nbytes, _ptr(got))]
+
+    def moved(address):
+        for lo, size, to in moves:
+            if lo <= address < lo + size:
+                return address - lo + to
+        raise ValueError("a piece's operand outside its product")
+    probe = [[c[:5] + (moved(c[5]), c[6], moved(c[7]), c[8], moved(c[9]), c[10]) for c in piece] for piece in calls]
+    table, _keep = _team_table(probe, sgemm)
+    library().gl_team_run(table.ctypes.data, len(table))
+    return _team_table(calls, sgemm) if same_bits(got, want) else None
+
+
+def blas_matmul_closure(a, b, out):
+    """The numpy executor's matmul_closure (np.matmul, split over threads when large), with its
+    pieces on n threads run by the C worker team (section comment above)."""
+    base = matmul_closure(a, b, out)
+    whole, sgemm = getattr(base, "whole", None), blas_sgemm()
+    if whole is None or sgemm is None:   # never split, or no OpenBLAS: as the numpy executor
+        return base
+    tables: dict[int, tuple | None] = {}
+    team = library().gl_team_run
+
+    def run():
+        threads = get_threads()
+        if threads == 1:
+            return whole()
+        found = tables.get(threads, False)
+        if found is False:
+            found = tables[threads] = blas_team_tables(a, b, out, threads, sgemm)
+        if found is None:
+            return base()
+        team(found[0].ctypes.data, len(found[0]))
+    run.whole = whole
+    run.arrays, run.tables = (a, b, out), tables   # (the tables' addresses point into these)
+    return run
+
+
 @native_kernel("matmul", rounds_own_way=lambda node: node.shape[-2] <= SMALL_ROWS)
 def _matmul(node, out, ins, scratch):
-    return small_matmul_closure(ins[0], ins[1], out)
+    return small_matmul_closure(ins[0], ins[1], out) or blas_matmul_closure(ins[0], ins[1], out)
+
+
+@native_kernel("matmul_sum")
+def _matmul_sum(node, out, ins, scratch):
+    return matmul_sum_closure(node, out, ins, blas_matmul_closure)
 
 
 # == the program and executor =================================================================================

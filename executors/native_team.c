@@ -1,10 +1,11 @@
-/* graphlm's native worker team: C threads that run the pieces of one small product beside the
- * calling thread (executors/native.py, "small products"; the kernels are native_kernels.c's).
+/* graphlm's native worker team: C threads that run the pieces of one product beside the calling
+ * thread (executors/native.py: "small products" run native_kernels.c's kernels, "BLAS products"
+ * the cblas_sgemm of the BLAS NumPy uses).
  *
- * A decode step's products are 20-300 KFLOP each, a few microseconds: the numpy executor's pool
- * (Python threads that hand the GIL over) costs more per piece than such a product takes, so they
- * ran on one thread and a second core sat idle. Here a piece is handed over through one atomic
- * word per worker, which a spinning worker sees within a fraction of a microsecond:
+ * A decode step's products are 20-300 KFLOP each, a few microseconds, and handing a piece of a
+ * training step's BLAS product to the numpy executor's pool (Python threads that pass the GIL
+ * between them) cost 50-100 us here, as much as the piece saved. Here a piece is handed over
+ * through one atomic word per worker, which a spinning worker sees in a fraction of a microsecond:
  *
  *   gl_team_run(pieces, count): piece 0 on the calling thread, piece i on worker i-1, and back
  *   when all are done. A piece is claimed by whoever takes it first (state POSTED -> CLAIMED by
@@ -31,12 +32,43 @@ void gl_matmul_small_nt(const float *a, const float *bt, float *o, const int64_t
                         int64_t e0, int64_t e1, int64_t m, int64_t k, int64_t lda, int64_t ldb,
                         int64_t ldo, int64_t j0, int64_t j1);
 
-/* one piece: PIECE_WORDS int64 words (executors/native.py builds the table):
- *   kind (0: gl_matmul_small, 1: gl_matmul_small_nt), a, b, out, offsets (addresses),
- *   e0, e1, m, k, lda, ldb, ldo, j0, j1 */
+/* one piece: PIECE_WORDS int64 words (executors/native.py builds the table).
+ *   kind 0 / 1: gl_matmul_small / gl_matmul_small_nt:
+ *       kind, a, b, out, offsets (addresses), e0, e1, m, k, lda, ldb, ldo, j0, j1
+ *   kind 2 / 3: BLAS products, calls [c0, c1) of a table of cblas_sgemm calls (kind 2: the BLAS
+ *       takes 64-bit integers, kind 3: 32-bit), each SGEMM_WORDS words:
+ *       kind, sgemm (the BLAS's cblas_sgemm), calls (address), c0, c1
+ *   a call: transa, transb, m, n, k, a, lda, b, ldb, c, ldc (row-major, alpha 1, beta 0: the
+ *   call NumPy's matmul makes for that piece, which the executor checks bit for bit once) */
 #define PIECE_WORDS 14
+#define SGEMM_WORDS 11
+
+typedef void (*sgemm64_t)(int, int, int, int64_t, int64_t, int64_t, float, const float *, int64_t,
+                          const float *, int64_t, float, float *, int64_t);
+typedef void (*sgemm32_t)(int, int, int, int32_t, int32_t, int32_t, float, const float *, int32_t,
+                          const float *, int32_t, float, float *, int32_t);
+enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };   /* CBLAS's enum values */
+
+static void run_sgemm_calls(const int64_t *p) {
+    const int64_t *calls = (const int64_t *)(intptr_t)p[2];
+    for (int64_t i = p[3]; i < p[4]; i++) {
+        const int64_t *c = calls + i * SGEMM_WORDS;
+        int ta = c[0] ? TRANS : NO_TRANS, tb = c[1] ? TRANS : NO_TRANS;
+        const float *a = (const float *)(intptr_t)c[5], *b = (const float *)(intptr_t)c[7];
+        float *out = (float *)(intptr_t)c[9];
+        if (p[0] == 2)
+            ((sgemm64_t)(intptr_t)p[1])(ROW_MAJOR, ta, tb, c[2], c[3], c[4], 1.0f, a, c[6], b, c[8], 0.0f, out, c[10]);
+        else
+            ((sgemm32_t)(intptr_t)p[1])(ROW_MAJOR, ta, tb, (int32_t)c[2], (int32_t)c[3], (int32_t)c[4], 1.0f,
+                                        a, (int32_t)c[6], b, (int32_t)c[8], 0.0f, out, (int32_t)c[10]);
+    }
+}
 
 static void run_piece(const int64_t *p) {
+    if (p[0] >= 2) {
+        run_sgemm_calls(p);
+        return;
+    }
     const float *a = (const float *)(intptr_t)p[1], *b = (const float *)(intptr_t)p[2];
     float *o = (float *)(intptr_t)p[3];
     const int64_t *offsets = (const int64_t *)(intptr_t)p[4];

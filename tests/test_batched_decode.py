@@ -271,3 +271,37 @@ def test_descending_order_is_the_stable_argsort_with_ties_zeros_and_infinities()
     z[4, :3] = [np.finfo(np.float32).tiny, -np.finfo(np.float32).tiny, np.float32(1e-45)]
     for rows in (z, z[:1], z[5:7]):
         assert descending_order(rows).tolist() == np.argsort(-rows, axis=1, kind="stable").tolist()
+
+
+@pytest.mark.threads
+@pytest.mark.parametrize("threads", [2, 3])
+def test_blas_products_on_the_team_are_numpys_bits(threads):
+    """A training-sized product split over the C worker team as NumPy's own cblas_sgemm calls
+    gives np.matmul's bytes, for a plain, a transposed (x @ W^T) and a batched product, and the
+    team really runs it (where NumPy's BLAS is an OpenBLAS the executor finds)."""
+    if native.blas_sgemm() is None:
+        pytest.skip("NumPy's BLAS is not an OpenBLAS with cblas_sgemm")
+    rng = np.random.default_rng(6)
+    cases = [(rng.standard_normal((128, 192)), rng.standard_normal((192, 768))),
+             (rng.standard_normal((256, 768)), rng.standard_normal((96, 768)).T),
+             (rng.standard_normal((4, 128, 96)), rng.standard_normal((4, 96, 128)))]
+    numpy_executor.set_threads(threads)
+    for a, b in cases:
+        a, b = a.astype(np.float32), b.astype(np.float32)
+        out = np.empty(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1]), np.float32)
+        run = native.blas_matmul_closure(a, b, out)
+        run()
+        assert run.tables.get(threads) is not None, (a.shape, b.shape)   # (it ran on the team)
+        assert out.tobytes() == np.matmul(a, b).tobytes(), (a.shape, b.shape)
+
+
+def test_sgemm_calls_refuse_what_numpy_would_not_hand_to_gemm():
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((64, 32)).astype(np.float32)
+    assert native.sgemm_calls(x, x.T, np.empty((64, 64), np.float32)) is None   # a @ a.T: NumPy's syrk
+    assert native.sgemm_calls(x[:1], x.T[:, :8], np.empty((1, 8), np.float32)) is None   # one row: gemv
+    assert native.sgemm_calls(x.astype(np.float64), x.T.astype(np.float64), np.empty((64, 64))) is None
+    out_t = np.empty((32, 64), np.float32).T   # an output NumPy would write transposed
+    assert native.sgemm_calls(x, x.T.copy(), out_t) is None
+    (call,) = native.sgemm_calls(x, np.ascontiguousarray(x.T), np.empty((64, 64), np.float32))
+    assert call[:5] == (0, 0, 64, 64, 32) and call[6] == 32 and call[8] == 64 and call[10] == 64

@@ -18,7 +18,7 @@ from .tiling import balanced_axis, cut_along, even_cuts, flat_view
 ROW_QUANTUM_CANDIDATES = (8, 16, 24, 32, 48, 64, 96)   # matmul row blocks: see matmul_parts
 
 
-def _strided_empty(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def strided_empty(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """An uninitialised array of x's shape, dtype and strides (64-byte aligned, as the arena),
     and the flat buffer under it."""
     if any(st < 0 for st in x.strides):
@@ -29,15 +29,15 @@ def _strided_empty(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.lib.stride_tricks.as_strided(flat, x.shape, x.strides), flat
 
 
-def _probe_like(x: np.ndarray, rng) -> np.ndarray:
+def probe_like(x: np.ndarray, rng) -> np.ndarray:
     """Random values in an array of x's shape, dtype and strides, for trying a product's cuts
     without touching x (drawn in float32 up to float32: no float64 copy of a large operand)."""
-    out, flat = _strided_empty(x)
+    out, flat = strided_empty(x)
     flat[...] = rng.standard_normal(flat.size, dtype=np.float32 if x.itemsize <= 4 else np.float64)
     return out
 
 
-def _same_bits(x: np.ndarray, y: np.ndarray) -> bool:
+def same_bits(x: np.ndarray, y: np.ndarray) -> bool:
     bits = np.dtype(f"i{x.dtype.itemsize}")
     return bool(np.array_equal(x.view(bits), y.view(bits)))
 
@@ -51,14 +51,14 @@ def pieces_round_as_whole(a, b, out, axis: int, cuts, matmul=np.matmul) -> bool:
     the kernel's first run on that many threads), and each piece is computed into one buffer of
     its own shape and strides, so the try costs the two operands and one piece, not two outputs."""
     rng = np.random.default_rng(0)
-    pa, pb = _probe_like(a, rng), _probe_like(b, rng)
+    pa, pb = probe_like(a, rng), probe_like(b, rng)
     matmul(pa, pb, out)
     rows = axis == out.ndim - 2
     for s, e in cuts:
         want = cut_along(out, out.ndim, axis, s, e)
-        got, _ = _strided_empty(want)
+        got, _ = strided_empty(want)
         matmul(cut_along(pa, out.ndim, axis, s, e), pb if rows else cut_along(pb, out.ndim, axis, s, e), got)
-        if not _same_bits(got, want):
+        if not same_bits(got, want):
             return False
     return True
 
@@ -145,9 +145,15 @@ def _folded_operand(perm, shape):
 
 @kernel("matmul_sum")
 def _matmul_sum(node, out, ins, scratch):
+    return matmul_sum_closure(node, out, ins, matmul_closure)
+
+
+def matmul_sum_closure(node, out, ins, product_closure):
+    """The folded matmul sum as one product A' @ B' by ``product_closure(A', B', out')`` (this
+    executor's matmul_closure; the native executor passes its own)."""
     pa, sa, pb, sb, shape = matmul_sum_folding(ins[0], ins[1], node.attrs["axes"])
     (a2, refresh_a), (b2, refresh_b) = _folded_operand(pa, sa), _folded_operand(pb, sb)
-    product = matmul_closure(a2, b2, np.reshape(out, shape, copy=False))
+    product = product_closure(a2, b2, np.reshape(out, shape, copy=False))
     refresh = [r for r in (refresh_a, refresh_b) if r is not None]
     if not refresh:
         return product

@@ -28,17 +28,22 @@ MIN_BLOCKS_PER_THREAD = 4   # a blocked kernel (or a dropout mask) with fewer bl
 # 74K-element QKV gradient assembly took longer split than whole)
 
 
+def openblas_libraries() -> list[str]:
+    """The paths of the OpenBLAS libraries loaded in this process (NumPy's among them), from
+    /proc/self/maps; [] where there is none or no such file."""
+    try:
+        with open("/proc/self/maps") as f:
+            return sorted({line.split()[-1] for line in f if "openblas" in line.lower() and "/" in line})
+    except OSError:
+        return []
+
+
 def set_blas_threads(n: int) -> bool:
     """Set the thread count of the OpenBLAS NumPy is linked against, at run time. Returns False
     when no OpenBLAS is loaded in this process (another BLAS keeps its own setting)."""
     if n <= 0:
         return False
-    try:
-        with open("/proc/self/maps") as f:
-            libs = sorted({line.split()[-1] for line in f if "openblas" in line.lower() and "/" in line})
-    except OSError:
-        return False
-    for path in libs:
+    for path in openblas_libraries():
         try:
             lib = ctypes.CDLL(path)
         except OSError:
