@@ -37,7 +37,7 @@ class SplitMix64:
 
     def unit(self) -> float:
         """A float32 in [0, 1) from the top 24 bits."""
-        return float(np.float32(self.next_u64() >> 40) * np.float32(1.0 / 16777216.0))
+        return (self.next_u64() >> 40) * (1.0 / 16777216.0)   # exact: a float32 value
 
     def uniform(self, lo: float, hi: float) -> float:
         return float(np.float32(lo) + np.float32(hi - lo) * np.float32(self.unit()))

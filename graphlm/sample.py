@@ -114,6 +114,19 @@ def _penalise(z: np.ndarray, seen: np.ndarray, penalty: float) -> np.ndarray:
     return np.where(seen, np.where(z < 0, z * np.float32(penalty), z / np.float32(penalty)), z)
 
 
+def _nonfinite_rows(z: np.ndarray, top: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(z, top) for logits z [B, V] some of whose row maxima `top` [B, 1] are not finite: NaN
+    and a row of -inf are errors; the +inf logits of a row share all its mass (they become 0,
+    the others -inf)."""
+    if np.isnan(top).any():
+        raise ValueError("choose_token: the logits hold NaN (is the model diverged?)")
+    if (top == -np.inf).any():
+        raise ValueError("choose_token: every allowed logit is -inf")
+    infinite = top == np.inf
+    z = np.where(infinite, np.where(z == np.inf, np.float32(0), np.float32(-np.inf)), z)
+    return z, np.where(infinite, np.float32(0), top)
+
+
 def choose_token(logits: np.ndarray, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, rng: SplitMix64 | None = None, *,
                  repetition_penalty: float = 1.0, seen=None, token_limit: int | None = None) -> int:
@@ -133,14 +146,23 @@ def choose_token(logits: np.ndarray, temperature: float = 1.0, top_k: int | None
 
 def descending_order(z: np.ndarray) -> np.ndarray:
     """Per row of z [B, V] (no NaN), its indices from the largest value to the smallest, ties in
-    index order: exactly ``np.argsort(-z, axis=1, kind="stable")``. Several rows are sorted as
-    unique int64 keys (the value's order-preserving bits above the index) by NumPy's vectorised
-    sort, ~4x faster at 8 rows of 256 than the stable float sort (7 us a row here)."""
+    index order: exactly ``np.argsort(-z, axis=1, kind="stable")``, sorted as `_key_order` keys
+    (the value's order-preserving bits, flipped so the largest comes first)."""
     if z.shape[0] == 1 or z.shape[1] >= 1 << 31:
         return np.argsort(-z, axis=1, kind="stable")
     bits = (-z + np.float32(0)).view(np.int32).astype(np.int64)   # (+ 0: -0.0 ties with 0.0)
-    key = np.where(bits < 0, bits ^ 0x7FFFFFFF, bits)             # float order as integer order
-    return np.sort((key << 32) | np.arange(z.shape[1], dtype=np.int64), axis=1) & 0xFFFFFFFF
+    return _key_order(np.where(bits < 0, bits ^ 0x7FFFFFFF, bits))   # float order as integer order
+
+
+def _key_order(key: np.ndarray, count: int | None = None) -> np.ndarray:
+    """Per row of key [B, V] (int64, |key| < 2**31, V < 2**31), the indices of its first `count`
+    (default all) keys in ascending order, ties in index order; `key` is overwritten. The rows are
+    sorted as unique int64 (the key above the index) by NumPy's vectorised sort: ~4x faster at 8
+    rows of 256 than the stable argsort (7 us a row here)."""
+    key <<= 32
+    key |= np.arange(key.shape[1], dtype=np.int64)
+    key.sort(axis=1)
+    return key[:, :count] & 0xFFFFFFFF
 
 
 def choose_tokens(logits: np.ndarray, temperature: float = 1.0, top_k: int | None = None,
@@ -149,7 +171,8 @@ def choose_tokens(logits: np.ndarray, temperature: float = 1.0, top_k: int | Non
                   token_limit: int | None = None) -> np.ndarray:
     """One token id per row of logits [B, V], row i drawing from ``rngs[i]``; each row is
     chosen exactly as `choose_token` chooses it alone, with the array work done once for the
-    batch. `seen`: [B, V] bool, the ids already in each row's context."""
+    batch (a dozen NumPy calls whatever B: at TinyLM's V = 256 their fixed cost is most of the
+    time). `seen`: [B, V] bool, the ids already in each row's context. `logits` is not written."""
     z = np.asarray(logits, dtype=np.float32)
     if z.ndim != 2:
         raise ValueError(f"choose_tokens: logits must be [B, V], got shape {fmt_shape(z.shape)}")
@@ -157,40 +180,46 @@ def choose_tokens(logits: np.ndarray, temperature: float = 1.0, top_k: int | Non
         z = z[:, :int(token_limit)]
     if z.shape[1] == 0:
         raise ValueError("choose_token: no token to choose from (empty logits or token_limit 0)")
-    if np.isnan(z).any():
-        raise ValueError("choose_token: the logits hold NaN (is the model diverged?)")
     if repetition_penalty != 1.0 and seen is not None:
         z = _penalise(z, np.asarray(seen, bool)[:, :z.shape[1]], repetition_penalty)
-    top = z.max(axis=1, keepdims=True)
-    if (top == -np.inf).any():
-        raise ValueError("choose_token: every allowed logit is -inf")
-    infinite = top == np.inf
-    if infinite.any():   # the +inf logits of such a row share all its mass
-        z = np.where(infinite, np.where(z == np.inf, np.float32(0), np.float32(-np.inf)), z)
-        top = np.where(infinite, np.float32(0), top)
+    top = z.max(axis=1, keepdims=True)   # (NaN in a row makes its max NaN)
+    if not np.isfinite(top).all():
+        z, top = _nonfinite_rows(z, top)
     t = np.float32(temperature) if temperature <= _FLOAT32_MAX else np.float32(np.inf)
     if t == 0:           # greedy; also the limit of a temperature that float32 cannot hold
         return np.argmax(z, axis=1)
     if rngs is None or len(rngs) != z.shape[0]:
         raise ValueError("choose_token: sampling at temperature > 0 needs an rng per row")
-    if np.isinf(t):      # the limit of a huge temperature: uniform over the allowed logits
+    if t == np.inf:      # the limit of a huge temperature: uniform over the allowed logits
         z = np.where(z > -np.inf, np.float32(0), np.float32(-np.inf))
     else:
         with np.errstate(over="ignore"):   # a tiny temperature sends the others to -inf: their limit
-            z = (z - top) / t              # <= 0, each row's largest exactly 0
-    order = descending_order(z)
-    if top_k is not None and top_k > 0:
-        order = order[:, :top_k]
-    p = np.exp(np.take_along_axis(z, order, axis=1))    # p[:, 0] = 1; underflow to 0 is a limit too
-    valid = np.count_nonzero(p, axis=1)                 # descending: the nonzero ones are a prefix
+            z = z - top                    # <= 0, each row's largest exactly 0
+            z /= t
+    # z <= 0, so its descending order is the ascending order of |z|, whose float32 bits order
+    # like integers (and -0.0 ties with 0.0)
+    k = top_k if top_k is not None and 0 < top_k < z.shape[1] else None
+    order = _key_order(np.abs(z).view(np.int32).astype(np.int64), k)
+    rows = np.arange(z.shape[0])
+    zs = z[rows[:, None], order]
+    p = np.exp(zs)                                      # p[:, 0] = 1; underflow to 0 is a limit too
+    cut = top_p is not None and top_p < 1.0
+    valid = np.count_nonzero(p, axis=1) if cut else None   # descending: the nonzero ones are a prefix
     p /= p.sum(axis=1, keepdims=True)
-    if top_p is not None and top_p < 1.0:               # the smallest prefix reaching top_p
-        valid = np.minimum(valid, np.count_nonzero(np.cumsum(p, axis=1) < np.float32(top_p), axis=1) + 1)
+    if cut:                                             # the smallest prefix reaching top_p
+        valid = np.minimum(valid, np.count_nonzero(np.add.accumulate(p, axis=1) < np.float32(top_p), axis=1) + 1)
         p = np.where(np.arange(p.shape[1]) < valid[:, None], p, np.float32(0))
         p /= p.sum(axis=1, keepdims=True)
-    u = np.array([[r.unit()] for r in rngs], np.float32)
-    i = np.minimum(np.count_nonzero(np.cumsum(p, axis=1) <= u, axis=1), valid - 1)
-    return np.take_along_axis(order, i[:, None], axis=1)[:, 0]
+    u = np.array([r.unit() for r in rngs], np.float32).reshape(-1, 1)
+    i = (np.add.accumulate(p, axis=1) <= u).sum(axis=1)
+    # the draw: the first token whose cumulative probability passes u. Rounding can leave u at or
+    # past the last one (every count true, i = p's width; past the last nonzero p the sum stops
+    # growing, so in no other case): then the last token of nonzero probability
+    if (i == p.shape[1]).any():
+        if valid is None:
+            valid = np.count_nonzero(np.exp(zs), axis=1)
+        i = np.minimum(i, valid - 1)
+    return order[rows, i]
 
 
 # ================================================================================================
@@ -331,14 +360,17 @@ class Generator:
 
     def decode(self, tokens: np.ndarray) -> np.ndarray:
         """Append one token per row ``[B]`` at the next position; logits [B, V]."""
-        if self.length >= self.context_length:
-            raise ValueError(f"decode: the cache is full ({self.context_length} positions); "
-                             "slide the window with prefill")
         tokens = np.asarray(tokens)
         if tokens.size != self.batch_size:
             raise ValueError(f"decode: expected {self.batch_size} token(s), one per row, got shape "
                              f"{fmt_shape(tokens.shape)}")
-        tokens = self.model.validate_tokens(tokens.reshape(self.batch_size, 1))
+        return self._decode(self.model.validate_tokens(tokens.reshape(self.batch_size, 1)))
+
+    def _decode(self, tokens: np.ndarray) -> np.ndarray:
+        """`decode` of checked ids ``[B, 1]`` int64."""
+        if self.length >= self.context_length:
+            raise ValueError(f"decode: the cache is full ({self.context_length} positions); "
+                             "slide the window with prefill")
         prog = self._program(None)
         t0 = time.perf_counter()
         out = prog.run({"tokens": tokens, "position": np.asarray(self.length, np.int64)}, self.state)[0]
@@ -401,30 +433,41 @@ class Generator:
         rows = [_Row(seq, seed + i, tokenizer, stop) for i in range(self.batch_size)]
         if n == 0:
             return [r.sample for r in rows]
-        seen = np.zeros((self.batch_size, v), bool)     # ids in each row's context (the penalty)
-        seen[:, seq] = True
+        seen = None                                     # ids in each row's context (the penalty)
+        if repetition_penalty != 1.0:
+            seen = np.zeros((self.batch_size, v), bool)
+            seen[:, seq] = True
         t = self.context_length
         logits = self.prefill(np.asarray([r.context[-t:] for r in rows]))
+        last = np.empty(self.batch_size, np.int64)      # each row's last token: the next decode's feed
+        active, rngs, ended = list(range(self.batch_size)), [r.rng for r in rows], []
         for step in range(n):
-            active = [i for i, r in enumerate(rows) if not r.done]
-            for r in rows:
-                if r.done:
-                    r.context.append(r.context[-1])   # keeps the batch aligned; not output
-            chosen = choose_tokens(logits[active], temperature, top_k, top_p, [rows[i].rng for i in active],
+            for i in ended:
+                rows[i].context.append(rows[i].context[-1])   # keeps the batch aligned; not output
+            every = not ended
+            chosen = choose_tokens(logits if every else logits[active], temperature, top_k, top_p, rngs,
                                    repetition_penalty=repetition_penalty, token_limit=token_limit,
-                                   seen=seen[active] if repetition_penalty != 1.0 else None)
+                                   seen=seen if seen is None or every else seen[active])
+            last[active] = chosen
+            if seen is not None:
+                seen[active, chosen] = True
+            finished = False
             for i, token in zip(active, chosen.tolist()):
                 row = rows[i]
-                seen[i, token] = True
                 piece = row.push(token, stop_ids)
+                finished = finished or row.done
                 if on_token is not None:
                     on_token(i, token)
                 if piece and on_text is not None:
                     on_text(i, piece)
-            if step == n - 1 or all(r.done for r in rows):
+            if finished:
+                ended = [i for i, r in enumerate(rows) if r.done]
+                active = [i for i, r in enumerate(rows) if not r.done]
+                rngs = [rows[i].rng for i in active]
+            if step == n - 1 or not active:
                 break
-            if self.length < t:
-                logits = self.decode(np.asarray([r.context[-1] for r in rows]))
+            if self.length < t:   # (ids the generator chose or was given checked: no validate_tokens)
+                logits = self._decode(last.reshape(self.batch_size, 1))
             else:  # the cache is full: slide the window, re-encoding the last keep + 1 tokens
                 logits = self.prefill(np.asarray([r.context[-(self.keep + 1):] for r in rows]))
         for i, row in enumerate(rows):

@@ -377,6 +377,36 @@ def test_missing_state_is_named():
         NUMPY.compile(g, outs).run({"x": np.zeros((2, 3), np.float32)}, {})
 
 
+def test_state_changed_since_the_last_run_is_checked_and_bound_again():
+    """A run skips check_state only for the very arrays of the last run, unchanged: a param
+    reshaped in place or a written cache made read-only gets check_state's error, a new array
+    in a name's place is bound (its values are read), and nothing is written on the way."""
+    g = gl.Graph("same_state")
+    x, w, cache = g.input("x", (2, 3)), g.param("w", (3, 4)), g.state("cache", (2, 8))
+    y = x @ w
+    outs = [gl.tanh(y), gl.ops.cache_write(cache, y, g.input("pos", (), np.int64), axis=1)]
+    prog = NUMPY.compile(g, outs)
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((2, 3)).astype(np.float32), "pos": np.asarray(2, np.int64)}
+    state = {"w": rng.standard_normal((3, 4)).astype(np.float32), "cache": np.zeros((2, 8), np.float32)}
+    first = prog.run(feeds, state)[0]
+    state["w"].shape = (4, 3)
+    with pytest.raises(ValueError, match=r"state for param 'w': expected \[3,4\] float32, got \[4,3\]"):
+        prog.run(feeds, state)
+    state["w"].shape = (3, 4)
+    state["cache"].flags.writeable = False
+    with pytest.raises(ValueError, match="'cache' is updated in place, so it must be a writable"):
+        prog.run(feeds, state)
+    assert np.all(state["cache"][:, :2] == 0) and np.all(state["cache"][:, 6:] == 0)
+    state["cache"] = state["cache"].copy()
+    assert prog.run(feeds, state)[0].tobytes() == first.tobytes()
+    state["w"] = state["w"] * 2
+    got = prog.run(feeds, state)[0]
+    np.testing.assert_allclose(got, np.tanh(feeds["x"] @ state["w"]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(state["cache"][:, 2:6], feeds["x"] @ state["w"], rtol=1e-5, atol=1e-6)
+    assert not np.allclose(got, first)
+
+
 def test_op_without_any_kernel_fails_at_compile_naming_it():
     name = "test_only_unkernelled_op"
     register(name, lambda inputs, attrs: (inputs[0].shape, inputs[0].dtype))
