@@ -34,6 +34,7 @@ the limits, never NaN.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
@@ -146,23 +147,31 @@ def choose_token(logits: np.ndarray, temperature: float = 1.0, top_k: int | None
 
 def descending_order(z: np.ndarray) -> np.ndarray:
     """Per row of z [B, V] (no NaN), its indices from the largest value to the smallest, ties in
-    index order: exactly ``np.argsort(-z, axis=1, kind="stable")``, sorted as `_key_order` keys
-    (the value's order-preserving bits, flipped so the largest comes first)."""
+    index order: exactly ``np.argsort(-z, axis=1, kind="stable")``, by `_sorted_keys` (the
+    value's order-preserving bits, flipped so the largest comes first)."""
     if z.shape[0] == 1 or z.shape[1] >= 1 << 31:
         return np.argsort(-z, axis=1, kind="stable")
-    bits = (-z + np.float32(0)).view(np.int32).astype(np.int64)   # (+ 0: -0.0 ties with 0.0)
-    return _key_order(np.where(bits < 0, bits ^ 0x7FFFFFFF, bits))   # float order as integer order
+    bits = (-z + np.float32(0)).view(np.int32)                      # (+ 0: -0.0 ties with 0.0)
+    key = np.where(bits < 0, bits ^ 0x7FFFFFFF, bits)               # float order as integer order
+    return _sorted_keys(key)[:, 1 - _HIGH::2].astype(np.intp)
 
 
-def _key_order(key: np.ndarray, count: int | None = None) -> np.ndarray:
-    """Per row of key [B, V] (int64, |key| < 2**31, V < 2**31), the indices of its first `count`
-    (default all) keys in ascending order, ties in index order; `key` is overwritten. The rows are
-    sorted as unique int64 (the key above the index) by NumPy's vectorised sort: ~4x faster at 8
-    rows of 256 than the stable argsort (7 us a row here)."""
-    key <<= 32
-    key |= np.arange(key.shape[1], dtype=np.int64)
-    key.sort(axis=1)
-    return key[:, :count] & 0xFFFFFFFF
+_HIGH = 1 if sys.byteorder == "little" else 0   # the int32 word that is an int64's high half
+
+
+def _sorted_keys(key: np.ndarray) -> np.ndarray:
+    """Per row of key [B, V] (4-byte values, int32 or float32 read as its int32 bits; V < 2**31),
+    its keys in ascending order, ties in index order, as int32 words [B, 2V]: key
+    ``words[:, _HIGH::2]``, its index ``words[:, 1 - _HIGH::2]``. Each key and its index are one
+    unique int64 (the key its high half), so one vectorised NumPy sort does every row: ~4x
+    faster at 8 rows of 256 than the stable argsort (7 us a row here)."""
+    b, v = key.shape
+    packed = np.empty((b, v), np.int64)
+    words = packed.view(np.int32)
+    words[:, 1 - _HIGH::2] = np.arange(v, dtype=np.int32)
+    words[:, _HIGH::2] = key.view(np.int32)
+    packed.sort(axis=1)
+    return words
 
 
 def choose_tokens(logits: np.ndarray, temperature: float = 1.0, top_k: int | None = None,
@@ -197,11 +206,11 @@ def choose_tokens(logits: np.ndarray, temperature: float = 1.0, top_k: int | Non
             z = z - top                    # <= 0, each row's largest exactly 0
             z /= t
     # z <= 0, so its descending order is the ascending order of |z|, whose float32 bits order
-    # like integers (and -0.0 ties with 0.0)
+    # like integers (and -0.0 ties with 0.0); -|z| sorted is z sorted (0.0 for -0.0: the same exp)
     k = top_k if top_k is not None and 0 < top_k < z.shape[1] else None
-    order = _key_order(np.abs(z).view(np.int32).astype(np.int64), k)
-    rows = np.arange(z.shape[0])
-    zs = z[rows[:, None], order]
+    words = _sorted_keys(np.abs(z))
+    order = words[:, 1 - _HIGH::2][:, :k]
+    zs = np.negative(words.view(np.float32)[:, _HIGH::2][:, :k])
     p = np.exp(zs)                                      # p[:, 0] = 1; underflow to 0 is a limit too
     cut = top_p is not None and top_p < 1.0
     valid = np.count_nonzero(p, axis=1) if cut else None   # descending: the nonzero ones are a prefix
@@ -215,11 +224,11 @@ def choose_tokens(logits: np.ndarray, temperature: float = 1.0, top_k: int | Non
     # the draw: the first token whose cumulative probability passes u. Rounding can leave u at or
     # past the last one (every count true, i = p's width; past the last nonzero p the sum stops
     # growing, so in no other case): then the last token of nonzero probability
-    if (i == p.shape[1]).any():
+    if p.shape[1] in i.tolist():
         if valid is None:
             valid = np.count_nonzero(np.exp(zs), axis=1)
         i = np.minimum(i, valid - 1)
-    return order[rows, i]
+    return order[np.arange(len(i)), i].astype(np.intp)
 
 
 # ================================================================================================

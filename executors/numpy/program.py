@@ -12,7 +12,6 @@ executor derives its program from this one with a copy of the table in which som
 from __future__ import annotations
 
 import functools
-import operator
 import time
 from typing import Callable, Sequence
 
@@ -25,8 +24,6 @@ from .. import reference
 from ..base import Program, normalize_outputs
 from ..planner import Plan, aligned_buffer, apply_view, make_plan
 from .table import KERNELS, Kernel, inplace_positions, kernel_for, kernel_rounds_own_way, scratch_specs
-
-_SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
 
 
 # == the program ===========================================================================================
@@ -60,7 +57,7 @@ class NumpyProgram(Program):
         self._feed_buffers = {name: np.empty(n.shape, n.dtype) for name, n in self.input_nodes.items()}
         self._feed_pairs = [(buf, name) for name, buf in self._feed_buffers.items()]
         self._bound: list[tuple[str, np.ndarray]] | None = None
-        self._checked: tuple | None = None   # (names, arrays, shapes, dtypes, written arrays)
+        self._checked: list[tuple] | None = None
         self._steps: list[Callable[[], None]] = []
         self._state_copies: list[tuple[np.ndarray, np.ndarray]] = []
         self._results: list[np.ndarray] = []
@@ -141,22 +138,18 @@ class NumpyProgram(Program):
     def _same_state(self, state) -> bool:
         """Whether `state` holds exactly the arrays of the last checked run, unchanged in shape,
         dtype and (for written state) flags: then check_state would pass and nothing needs
-        binding, at a fraction of its cost (~90 us for TinyLM's 62 arrays, per decoded token;
-        this takes ~4, its loops in C)."""
+        binding, at a fraction of its cost (~90 us for TinyLM's 62 arrays, per decoded token)."""
         if self._checked is None or state is None:
             return False
-        names, arrays, shapes, dtypes, written = self._checked
         try:
-            if not all(map(operator.is_, map(state.__getitem__, names), arrays)):
-                return False
-        except (KeyError, TypeError, AttributeError):
+            for name, arr, shape, dtype, written in self._checked:
+                a = state[name]
+                if a is not arr or a.shape != shape or a.dtype is not dtype:
+                    return False
+                if written and not (a.flags.writeable and a.flags.c_contiguous):
+                    return False
+        except (KeyError, TypeError):
             return False
-        if list(map(_SHAPE, arrays)) != shapes or list(map(_DTYPE, arrays)) != dtypes:
-            return False
-        for a in written:
-            flags = a.flags
-            if not (flags.writeable and flags.c_contiguous):
-                return False
         return True
 
     def run(self, feeds=None, state=None) -> list[np.ndarray]:
@@ -165,9 +158,8 @@ class NumpyProgram(Program):
             state = self.check_state(state)
             if self._bound is None or any(state[name] is not arr for name, arr in self._bound):
                 self._bind(state)
-            arrays = tuple(state[name] for name in self.state_nodes)
-            self._checked = (tuple(self.state_nodes), arrays, [a.shape for a in arrays],
-                             [a.dtype for a in arrays], [state[name] for name in self.written_state])
+            self._checked = [(name, state[name], state[name].shape, state[name].dtype,
+                              name in self.written_state) for name in self.state_nodes]
         for buf, name in self._feed_pairs:
             np.copyto(buf, feeds[name])
         for private, arr in self._state_copies:
