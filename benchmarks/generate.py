@@ -18,7 +18,8 @@ Batched: "graphlm_kv_cache_batchN" is the decode step of N rows (tokens/s = N / 
 token choice and bookkeeping included; median step), tokens/s over all rows; the ratio of the two
 is what `--num-samples N` gains over N runs. Medians of the steps, and (`p10_steps`) their 10th
 percentile: on a loaded machine most longer steps get preempted, which biases medians against
-the larger batch.
+the larger batch. "outside_decode_ms_per_step" is a step's mean time outside the decode
+program's run (choosing the tokens, the rows' bookkeeping; median over the repeats).
 
 Both frameworks decode greedily from the same prompt; the script checks that they choose the
 same tokens (so both do the same work) before it reports (exit 1 if any differs). "KV cache" is per-token decode after
@@ -125,13 +126,17 @@ def graphlm_cached(model, params, prompt, n, batch=1):
 
 
 def graphlm_sampling(gen, prompt, n):
-    """The rows' tokens and the seconds of each step of one `generate_batch` (token choice,
+    """The rows' tokens, the seconds of each step of one `generate_batch` (token choice,
     bookkeeping and the decode step: the interval between row 0's successive tokens, so
-    compiling and the prefill are out)."""
+    compiling and the prefill are out) and the mean seconds per step outside the decode
+    program's run (`Generator.decode_seconds`: one decode per interval; `gen` has compiled)."""
     stamps = []
+    decode_s, decodes = gen.decode_seconds, gen.decode_count
     samples = gen.generate_batch(prompt, n, temperature=0.8, top_k=40, seed=1,
                                  on_token=lambda row, token: row == 0 and stamps.append(clock()))
-    return [s.tokens for s in samples], np.diff(stamps)
+    steps = np.diff(stamps)
+    assert gen.decode_count - decodes == len(steps), "one decode per step"
+    return [s.tokens for s in samples], steps, (steps.sum() - (gen.decode_seconds - decode_s)) / len(steps)
 
 
 def graphlm_no_cache(model, params, prompt, n):
@@ -261,6 +266,8 @@ def main(argv=None) -> int:
     if b > 1:
         variants[f"graphlm_kv_cache_batch{b}"] = lambda: graphlm_cached(model, params, prompt, args.new_tokens, b)
     gens = {k: Generator(model, params, batch_size=k, executor=EXECUTOR) for k in ((1, b) if b > 1 else ())}
+    for gen in gens.values():   # compile the prefill and decode programs outside the timed steps
+        gen.generate_batch(prompt, 2)
     tokens, per_token, sampling = {}, {k: [] for k in variants}, {k: [] for k in gens}
     fast = {k: [] for k in variants}      # 10th percentile of the steps: a loaded machine's clean ones
     for _ in range(args.repeats):             # alternate the variants so load hits them alike
@@ -270,8 +277,8 @@ def main(argv=None) -> int:
             per_token[name].append(statistics.median(times))
             fast[name].append(np.percentile(times, 10))
         for k, gen in gens.items():
-            rows, steps = graphlm_sampling(gen, prompt, args.new_tokens)
-            sampling[k].append((len(rows) / statistics.median(steps), len(rows) / np.percentile(steps, 10)))
+            rows, steps, outside = graphlm_sampling(gen, prompt, args.new_tokens)
+            sampling[k].append((len(rows) / statistics.median(steps), len(rows) / np.percentile(steps, 10), outside))
     prefill_s = {(who, n): [] for who in prefills for n in args.prefill_lengths}
     for _ in range(args.repeats):   # per turn the best of PREFILL_BEST (a 16-token prefill is ~1-2 ms)
         for (who, n), got in prefill_s.items():
@@ -306,6 +313,8 @@ def main(argv=None) -> int:
                                                    / v["graphlm_kv_cache"]["tokens_per_s"], 2),
             "sampling_tokens_per_s": {f"batch{k}": round(r, 1) for k, r in rate.items()},
             "sampling_tokens_per_s_vs_batch1": round(rate[b] / rate[1], 2),
+            "outside_decode_ms_per_step": {f"batch{k}": round(statistics.median(r[2] for r in rs) * 1e3, 4)
+                                           for k, rs in sampling.items()},
             "p10_steps": {"decode_ms_per_step": {f"batch{k}": round(t * 1e3, 3) for k, t in step_fast.items()},
                           "decode_tokens_per_s_vs_batch1": round(b * step_fast[1] / step_fast[b], 2),
                           "sampling_tokens_per_s_vs_batch1": round(rate_fast[b] / rate_fast[1], 2)},
@@ -328,7 +337,9 @@ def main(argv=None) -> int:
         print(f"batch {b} vs 1, tokens/s: decode step {r['decode_tokens_per_s_vs_batch1']}x; sampling "
               f"(generate_batch) {r['sampling_tokens_per_s'][f'batch{b}']} vs {r['sampling_tokens_per_s']['batch1']}"
               f" = {r['sampling_tokens_per_s_vs_batch1']}x; on the fastest tenth of the steps: decode "
-              f"{r['p10_steps']['decode_tokens_per_s_vs_batch1']}x, sampling {r['p10_steps']['sampling_tokens_per_s_vs_batch1']}x")
+              f"{r['p10_steps']['decode_tokens_per_s_vs_batch1']}x, sampling {r['p10_steps']['sampling_tokens_per_s_vs_batch1']}x; "
+              f"ms per step outside the decode run (token choice, bookkeeping): "
+              f"{r['outside_decode_ms_per_step']['batch1']} at batch 1, {r['outside_decode_ms_per_step'][f'batch{b}']} at {b}")
     print(json.dumps(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
