@@ -558,3 +558,43 @@ void gl_matmul_small_nt(const float *a, const float *bt, float *o, const int64_t
         nt_product(a + offsets[3 * e], bt + offsets[3 * e + 1], o + offsets[3 * e + 2], m, k, lda,
                    ldb, ldo, j0, j1);
 }
+
+/* ---- cached attention: one decode step against the KV cache (graphlm.ops.cached_attention) ---- */
+
+/* Rows [r0, r1) of a decode step's attention (a row: one batch row's head). Row r's query, new
+ * key, new value and output are d floats at q + r*ldq, k + r*ldk, v + r*ldv, out + r*ldo; its
+ * caches are t x d floats at ck + r*ldc, cv + r*ldc. With p = *position (0 <= p < t, checked by
+ * the caller), only the cached slots j < p are read:
+ *   s_j = row_dot(q, ck[j]) * scale (j < p),  s_p = row_dot(q, k) * scale,  m = max_j s_j,
+ *   e_j = exp_f32(s_j - m),  l = e_0 + e_1 + ... + e_p (in order),
+ *   out = (e_0 cv[0] + ... + e_{p-1} cv[p-1] + e_p v) / l   (one MADD per term, j in order).
+ * `scores` holds t + 1 floats per row (rows from r0 at scores + r*(t+1)). Each row is one fixed
+ * sequence of roundings, so its bits do not depend on the rows around it or the thread. */
+void gl_cached_attention(const float *q, const float *k, const float *v, const float *ck,
+                         const float *cv, float *out, float *scores, const int64_t *position,
+                         int64_t r0, int64_t r1, int64_t t, int64_t d, int64_t ldq, int64_t ldk,
+                         int64_t ldv, int64_t ldo, int64_t ldc, float scale) {
+    const int64_t p = *position;
+    for (int64_t r = r0; r < r1; r++) {
+        const float *qr = q + r * ldq, *kc = ck + r * ldc, *vc = cv + r * ldc, *vr = v + r * ldv;
+        float *s = scores + r * (t + 1), *o = out + r * ldo;
+        float m = -INFINITY;
+        for (int64_t j = 0; j < p; j++) {
+            s[j] = row_dot(qr, kc + j * d, d) * scale;
+            m = s[j] > m ? s[j] : m;
+        }
+        s[p] = row_dot(qr, k + r * ldk, d) * scale;
+        m = s[p] > m ? s[p] : m;
+        float l = 0.0f;
+        for (int64_t j = 0; j <= p; j++) {
+            s[j] = exp_f32(s[j] - m);
+            l += s[j];
+        }
+        for (int64_t i = 0; i < d; i++) o[i] = 0.0f;
+        for (int64_t j = 0; j < p; j++) {
+            const float e = s[j], *vj = vc + j * d;
+            for (int64_t i = 0; i < d; i++) o[i] = MADD(e, vj[i], o[i]);
+        }
+        for (int64_t i = 0; i < d; i++) o[i] = MADD(s[p], vr[i], o[i]) / l;
+    }
+}
