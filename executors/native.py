@@ -867,8 +867,7 @@ def _cached_attention(node, out, ins, scratch):
     q, k, v, cache_k, cache_v, position = ins
     scores = scratch[0]
     t, d = cache_k.shape[-2], cache_k.shape[-1]
-    if node.dtype != np.float32 or position.dtype != np.int64 or d == 0 or not _native(cache_k, cache_v, scores) \
-            or cache_k.strides != cache_v.strides:
+    if node.dtype != np.float32 or position.dtype != np.int64 or d == 0 or not _native(cache_k, cache_v, scores):
         return None
     views = [_rows_of(x, d) for x in (q, k, v, out)]
     if any(x is None for x in views):

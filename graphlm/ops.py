@@ -1102,13 +1102,18 @@ register("causal_attention_backward", _infer_attention_backward, decompose=_atte
          vjp_doc="through its decomposition")
 
 
+def attention_scale(q: Tensor, scale: float | None) -> float:
+    """`scale`, or by default ``1/sqrt(D)`` for queries `q` ``[..., D]`` (1 where D is 0)."""
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape and q.shape[-1] else 1.0
+    return float(scale)
+
+
 def causal_attention(q, k, v, scale: float | None = None) -> Tensor:
     """Causal self-attention ``softmax(causal_mask(q @ k^T * scale)) @ v`` on ``[..., T, D]``
     queries, keys and values of one shape; query i attends to keys j <= i. `scale` defaults to
     ``1/sqrt(D)``."""
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape and q.shape[-1] else 1.0
-    return apply("causal_attention", (q, k, v), scale=float(scale))
+    return apply("causal_attention", (q, k, v), scale=attention_scale(q, scale))
 
 
 # --- causal_attention_keep / causal_attention_backward_kept: attention keeps E and l ---------------
@@ -1258,9 +1263,7 @@ def cached_attention(q, k, v, cache_k, cache_v, position, scale: float | None = 
     values cached at positions ``< position`` (``cache_k, cache_v [..., T, D]``, `position` a
     scalar integer tensor in [0, T)) and against its own key and value: one softmax over the
     ``position + 1`` scores. `scale` defaults to ``1/sqrt(D)``. -> ``[..., 1, D]``."""
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape and q.shape[-1] else 1.0
-    return apply("cached_attention", (q, k, v, cache_k, cache_v, position), scale=float(scale))
+    return apply("cached_attention", (q, k, v, cache_k, cache_v, position), scale=attention_scale(q, scale))
 
 
 # --- dropout ---------------------------------------------------------------------------------------
