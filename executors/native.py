@@ -12,6 +12,7 @@ the planned float32 arrays instead of several NumPy passes (executors/native_ker
     dropout                                  (the mask drawn and applied in one pass)
     AdamW                                    (one pass per parameter)
     matmuls of at most SMALL_ROWS rows       (decoding: x @ W^T, a query against the caches)
+    a decode step's cached attention         (reading only the cache slots in use)
 
 Small products. BLAS takes other paths for a product of 1 row (GEMV) and of 8 (small-m GEMM,
 at a third of the core's rate), so a batch-8 decode step cost 2-3x what it could and its rows
@@ -73,6 +74,7 @@ from .numpy.dropout import keep_threshold
 from .numpy.norms import layer_norm_keep_views
 from .numpy.optimizer import adamw_schedule
 from .numpy import pool
+from .reference import check_cached_position
 from .numpy.pool import parallel, threaded
 from .numpy.matmul import matmul_closure, matmul_parts, matmul_sum_closure, probe_like, same_bits, strided_empty
 from .numpy.tiling import even_cuts, size_groups
@@ -109,6 +111,7 @@ SIGNATURES = {   # C function -> argument types (every function returns void)
     "gl_matmul_small": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I),
     "gl_matmul_small_nt": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I),
     "gl_team_run": (_P, _I),
+    "gl_cached_attention": (_P,) * 8 + (_I,) * 9 + (_F,),
 }
 
 _library: dict[str, object] = {}
@@ -843,6 +846,51 @@ def _matmul(node, out, ins, scratch):
 @native_kernel("matmul_sum")
 def _matmul_sum(node, out, ins, scratch):
     return matmul_sum_closure(node, out, ins, blas_matmul_closure)
+
+
+# == cached attention: one decode step against the KV cache ===================================================
+
+def _rows_of(x, d: int):
+    """`x` [..., rows-shape, D] as (rows, the element stride between rows) without a copy, or None
+    where its rows are not d contiguous floats one stride apart."""
+    rows = x.reshape(-1, d) if x.size else None
+    if rows is None or _ptr(rows) != _ptr(x) or rows.strides[1] != 4 or rows.strides[0] % 4:
+        return None
+    return rows, rows.strides[0] // 4
+
+
+@native_kernel("cached_attention", rounds_own_way=True)
+def _cached_attention(node, out, ins, scratch):
+    """gl_cached_attention over the (batch row, head) rows, which read only the cache slots in
+    use; the rows split over threads as every product does (above pool.MIN_SPLIT_FLOPS at a full
+    cache), each row computed as it is alone."""
+    q, k, v, cache_k, cache_v, position = ins
+    scores = scratch[0]
+    t, d = cache_k.shape[-2], cache_k.shape[-1]
+    if node.dtype != np.float32 or position.dtype != np.int64 or d == 0 or not _native(cache_k, cache_v, scores):
+        return None
+    views = [_rows_of(x, d) for x in (q, k, v, out)]
+    if any(x is None for x in views):
+        return None
+    (_, ldq), (_, ldk), (_, ldv), (_, ldo) = views
+    rows = views[0][0].shape[0]
+    fn, pointers = library().gl_cached_attention, [_ptr(x) for x in (q, k, v, cache_k, cache_v, out, scores, position)]
+    scale = float(np.float32(node.attrs["scale"]))
+
+    def call(r0, r1):
+        return functools.partial(fn, *pointers, r0, r1, t, d, ldq, ldk, ldv, ldo, t * d, scale)
+
+    def split(threads):
+        if 4 * rows * t * d < pool.MIN_SPLIT_FLOPS:
+            return []
+        return [call(r0, r1) for r0, r1 in even_cuts(rows, threads)]
+    inner = threaded(call(0, rows), split)
+
+    def run():
+        check_cached_position(node, position, t)   # (C trusts the position: it indexes the caches)
+        inner()
+    run.arrays = (q, k, v, cache_k, cache_v, out, scores, position)   # (the raw pointers point into these)
+    return run
 
 
 # == the program and executor =================================================================================

@@ -558,3 +558,104 @@ void gl_matmul_small_nt(const float *a, const float *bt, float *o, const int64_t
         nt_product(a + offsets[3 * e], bt + offsets[3 * e + 1], o + offsets[3 * e + 2], m, k, lda,
                    ldb, ldo, j0, j1);
 }
+
+/* ---- cached attention: one decode step against the KV cache (graphlm.ops.cached_attention) ---- */
+
+/* Two steps of a row, each in one fixed order (the AVX-512 code and the plain C below round alike):
+ *   scores:  s_c = q . key_c for up to 16 keys, each dot as the small products' NT kernel
+ *            computes it (16 lane sums over d, then their tree: nt_lanes, lanes_tree);
+ *   values:  o = (((a_0 + a_1) + (a_2 + a_3)) + e_p * v) / l per column, a_u the multiply-add
+ *            chain of e_j * cv[j] over the cached slots j = u mod 4, j < p, in order (four chains
+ *            side by side). */
+#if defined(__AVX512F__) && defined(__FMA__)
+/* s[0..n) = q . key[c] (n <= 16; the unused lanes read q and are not stored) */
+static inline void attention_dots(const float *q, const float *const key[16], int n, int64_t d, float *s) {
+    const float *row[16];
+    for (int c = 0; c < 16; c++) row[c] = c < n ? key[c] : q;
+    __m512 acc[16];
+    for (int c = 0; c < 16; c++) acc[c] = _mm512_setzero_ps();
+    int64_t p = 0;
+    for (; p + 16 <= d; p += 16) {
+        __m512 x = _mm512_loadu_ps(q + p);
+        for (int c = 0; c < 16; c++)   /* key c's sums in the reduction's source of lane c */
+            acc[4 * (c % 4) + c / 4] = _mm512_fmadd_ps(x, _mm512_loadu_ps(row[c] + p), acc[4 * (c % 4) + c / 4]);
+    }
+    if (p < d) {
+        __mmask16 mask = (__mmask16)((1u << (d - p)) - 1u);
+        __m512 x = _mm512_maskz_loadu_ps(mask, q + p);
+        for (int c = 0; c < 16; c++)
+            acc[4 * (c % 4) + c / 4] = _mm512_mask3_fmadd_ps(x, _mm512_maskz_loadu_ps(mask, row[c] + p),
+                                                             acc[4 * (c % 4) + c / 4], mask);
+    }
+    _mm512_mask_storeu_ps(s, (__mmask16)((1u << n) - 1u), nt_reduce16(acc));
+}
+
+/* columns [0, w) of the row's output, w <= 16 (see above) */
+static inline void attention_values(const float *e, const float *cv, const float *v, float *o,
+                                    int64_t p, int64_t d, float l, int64_t w) {
+    __mmask16 mask = (__mmask16)((1u << w) - 1u);
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;   /* (named: kept in registers) */
+#define VALUE_TERM(acc, j) acc = _mm512_fmadd_ps(_mm512_set1_ps(e[j]), _mm512_maskz_loadu_ps(mask, cv + (j) * d), acc)
+    int64_t j = 0;
+    for (; j + 4 <= p; j += 4) {
+        VALUE_TERM(a0, j); VALUE_TERM(a1, j + 1); VALUE_TERM(a2, j + 2); VALUE_TERM(a3, j + 3);
+    }
+    if (j < p) VALUE_TERM(a0, j);
+    if (j + 1 < p) VALUE_TERM(a1, j + 1);
+    if (j + 2 < p) VALUE_TERM(a2, j + 2);
+#undef VALUE_TERM
+    __m512 sum = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
+    sum = _mm512_fmadd_ps(_mm512_set1_ps(e[p]), _mm512_maskz_loadu_ps(mask, v), sum);
+    _mm512_mask_storeu_ps(o, mask, _mm512_div_ps(sum, _mm512_set1_ps(l)));
+}
+#else
+static inline void attention_dots(const float *q, const float *const key[16], int n, int64_t d, float *s) {
+    for (int c = 0; c < n; c++) {
+        float acc[16] = {0};
+        nt_lanes(q, key[c], d, acc);
+        s[c] = lanes_tree(acc);
+    }
+}
+
+static inline void attention_values(const float *e, const float *cv, const float *v, float *o,
+                                    int64_t p, int64_t d, float l, int64_t w) {
+    for (int64_t i = 0; i < w; i++) {
+        float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int64_t j = 0; j < p; j++) a[j % 4] = MADD(e[j], cv[j * d + i], a[j % 4]);
+        o[i] = MADD(e[p], v[i], (a[0] + a[1]) + (a[2] + a[3])) / l;
+    }
+}
+#endif
+
+/* Rows [r0, r1) of a decode step's attention (a row: one batch row's head). Row r's query, new
+ * key, new value and output are d floats at q + r*ldq, k + r*ldk, v + r*ldv, out + r*ldo; its
+ * caches are t x d floats at ck + r*ldc, cv + r*ldc. With p = *position (0 <= p < t, checked by
+ * the caller), only the cached slots j < p are read:
+ *   s_j = (q . ck[j]) * scale (j < p),  s_p = (q . k) * scale   (attention_dots),
+ *   e_j = exp_f32(s_j - max_j s_j),  l = row_sum(e_0..e_p),
+ *   out = (e_0 cv[0] + ... + e_{p-1} cv[p-1] + e_p v) / l   (attention_values).
+ * `scores` holds t + 1 floats per row (row r at scores + r*(t+1)). Each row is one fixed sequence
+ * of roundings that depends on p and d alone (a slot's score on d alone), so its bits do not
+ * depend on the rows around it or the thread. */
+void gl_cached_attention(const float *q, const float *k, const float *v, const float *ck,
+                         const float *cv, float *out, float *scores, const int64_t *position,
+                         int64_t r0, int64_t r1, int64_t t, int64_t d, int64_t ldq, int64_t ldk,
+                         int64_t ldv, int64_t ldo, int64_t ldc, float scale) {
+    const int64_t p = *position;
+    for (int64_t r = r0; r < r1; r++) {
+        const float *qr = q + r * ldq, *kc = ck + r * ldc, *vc = cv + r * ldc;
+        float *s = scores + r * (t + 1), *o = out + r * ldo;
+        for (int64_t j0 = 0; j0 <= p; j0 += 16) {   /* the slots j < p, then the new key */
+            const float *key[16];
+            int n = p + 1 - j0 < 16 ? (int)(p + 1 - j0) : 16;
+            for (int c = 0; c < n; c++) key[c] = j0 + c < p ? kc + (j0 + c) * d : k + r * ldk;
+            attention_dots(qr, key, n, d, s + j0);
+        }
+        for (int64_t j = 0; j <= p; j++) s[j] = s[j] * scale;
+        const float m = row_max(s, p + 1);
+        for (int64_t j = 0; j <= p; j++) s[j] = exp_f32(s[j] - m);
+        const float l = row_sum(s, p + 1);
+        for (int64_t i = 0; i < d; i += 16)
+            attention_values(s, vc + i, v + r * ldv + i, o + i, p, d, l, d - i < 16 ? d - i : 16);
+    }
+}

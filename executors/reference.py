@@ -255,6 +255,28 @@ def causal_attention_backward_kept(node, q, k, v, o, e, l, g):
     return _attention_gradients(p / l, q, k, v, o, g, node.attrs["scale"])
 
 
+def check_cached_position(node, position, capacity: int) -> int:
+    """A cached_attention's position as an int, or an ExecutionError naming the node: a decode
+    step's token goes at a position of the cache, 0 <= position < capacity."""
+    p = int(position)
+    if not 0 <= p < capacity:
+        raise ExecutionError(f"{node_where(node)}: position {p} is outside the cache's {capacity} "
+                             f"positions (0..{capacity - 1})")
+    return p
+
+
+@kernel("cached_attention")
+def cached_attention(node, q, k, v, cache_k, cache_v, position):
+    """The decomposition's arithmetic in one kernel: all T cached slots, those >= position -inf."""
+    t, scale = cache_k.shape[-2], _s(node.attrs["scale"], q)
+    check_cached_position(node, position, t)
+    mask = np.where(np.arange(t) < position, _s(0.0, q), _s(-np.inf, q))
+    s_cache = np.matmul(q, np.swapaxes(cache_k, -1, -2)) * scale + mask
+    s_self = np.sum(q * k, axis=-1, keepdims=True) * scale
+    p = _softmax_rows(np.concatenate([s_cache, s_self], axis=-1))
+    return np.matmul(p[..., :t], cache_v) + p[..., t:] * v
+
+
 @kernel("dropout")
 def dropout(node, x, key):
     return x * dropout_keep_scale(int(key), node.attrs["stream"], x.shape, node.attrs["p"], x.dtype)

@@ -11,7 +11,7 @@ from . import ops
 from .ir import Graph, GraphError, ShapeError, Tensor
 from .autodiff import grad, vjp
 from .registry import REGISTRY, OpDef, apply, get_op, register_op, unregister_op
-from .ops import (add, broadcast_to, cast, causal_attention, causal_mask, concat, cross_entropy,
+from .ops import (add, broadcast_to, cast, cached_attention, causal_attention, causal_mask, concat, cross_entropy,
                   div, dropout, embedding, equal, erf, exp, gelu, greater, layer_norm, less, log,
                   log_softmax, matmul, max, maximum, mean, mul, neg, one_hot, pow, relu, reshape,
                   rms_norm, rsqrt, sigmoid, silu, slice, softmax, split, sqrt, square, sub, sum,

@@ -472,7 +472,6 @@ class KVCache:
                              f"'{graph.name}', got {position!r}")
         self.graph, self.capacity, self.position, self.prefix = graph, int(capacity), position, prefix
         self.writes: list[Tensor] = []
-        self._visible: Tensor | None = None
 
     def positions(self, length: int) -> Tensor | None:
         """Positions of `length` new tokens for a positional embedding: None (0..length-1) in a
@@ -502,14 +501,6 @@ class KVCache:
                                  f"'{g.current_scope}' needs {fmt_shape(shape)}")
             out.append(leaf)
         return out[0], out[1]
-
-    def visible(self) -> Tensor:
-        """``[capacity]``: 0 where a cached position j < position, -inf elsewhere; one node,
-        shared by every module of the graph."""
-        if self._visible is None:
-            t = self.graph.const(np.arange(self.capacity, dtype=np.int64))
-            self._visible = ops.where(ops.less(t, self.position), 0.0, -math.inf)
-        return self._visible
 
     def write(self, cache_k: Tensor, cache_v: Tensor, k: Tensor, v: Tensor) -> None:
         """Store new keys and values at the position (0 in a prefill)."""
@@ -627,18 +618,15 @@ class MultiheadAttention(Module):
 
         Prefill (``cache.position`` None): the L new positions are all there is, so this is
         `attend` with the causal mask. Decode (L = 1 at ``cache.position``): the query attends to
-        the cached keys at positions ``< position`` and to its own key, one softmax over both.
+        the cached keys at positions ``< position`` and to its own key, one softmax over both:
+        one ``cached_attention`` node, whose kernels read only the positions in use.
         """
         cache_k, cache_v = cache.leaves(self, k)
         if cache.position is None:
             context = self.attend(q, k, v, causal=True)
         else:
-            t = cache_k.shape[2]
-            scale = 1.0 / math.sqrt(self.head_width)
-            s_cache = (q @ ops.swapaxes(cache_k, -1, -2)) * scale + cache.visible()   # [B, H, 1, T]
-            s_self = ops.sum(q * k, axis=-1, keepdims=True) * scale                   # [B, H, 1, 1]
-            p = ops.softmax(ops.concat([s_cache, s_self], axis=-1), -1)               # [B, H, 1, T+1]
-            context = p[..., :t] @ cache_v + p[..., t:] * v
+            context = ops.cached_attention(q, k, v, cache_k, cache_v, cache.position,
+                                           1.0 / math.sqrt(self.head_width))
         cache.write(cache_k, cache_v, k, v)
         return context
 

@@ -1102,13 +1102,18 @@ register("causal_attention_backward", _infer_attention_backward, decompose=_atte
          vjp_doc="through its decomposition")
 
 
+def attention_scale(q: Tensor, scale: float | None) -> float:
+    """`scale`, or by default ``1/sqrt(D)`` for queries `q` ``[..., D]`` (1 where D is 0)."""
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape and q.shape[-1] else 1.0
+    return float(scale)
+
+
 def causal_attention(q, k, v, scale: float | None = None) -> Tensor:
     """Causal self-attention ``softmax(causal_mask(q @ k^T * scale)) @ v`` on ``[..., T, D]``
     queries, keys and values of one shape; query i attends to keys j <= i. `scale` defaults to
     ``1/sqrt(D)``."""
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape and q.shape[-1] else 1.0
-    return apply("causal_attention", (q, k, v), scale=float(scale))
+    return apply("causal_attention", (q, k, v), scale=attention_scale(q, scale))
 
 
 # --- causal_attention_keep / causal_attention_backward_kept: attention keeps E and l ---------------
@@ -1204,6 +1209,61 @@ register("causal_attention_backward_kept", _infer_attention_backward_kept,
          decompose=_attention_backward_kept_decompose,
          doc="causal_attention_backward(q, k, v, o, g) from the kept E and l (P = E / l): [dq, dk, dv]",
          vjp_doc="through its decomposition")
+
+
+# --- cached_attention: one decode step's attention against a KV cache ---------------------------
+# The query of one new token per row ([..., 1, D]) against the `position` cached keys and values
+# in use ([..., T, D] caches, positions 0..position-1) and its own new key and value, one softmax
+# over both, as ggml's flash_attn_ext reads a KV cache: one node instead of about ten. The
+# decomposition below is the definition and the arithmetic order (it reads all T cached slots,
+# those at or past `position` masked to -inf, so its sums run over T + 1 terms); a kernel may read
+# only the slots in use, which sums fewer terms and so rounds its own way (executors say so). The
+# caches are read as they are before the step: the new key and value reach them through the
+# cache_write nodes, which run after every other node. `position` is a scalar integer tensor in
+# [0, T); a kernel checks it when it runs (the decomposition would treat a position >= T as a
+# full cache, and the cache_write of the same step refuses it).
+def _infer_cached_attention(inputs, attrs):
+    q, k, v, cache_k, cache_v, position = inputs
+    for name, t in zip(("q", "k", "v", "cache_k", "cache_v"), inputs[:5]):
+        _require_float(t, name)
+    if not (q.shape == k.shape == v.shape) or q.ndim < 2 or q.shape[-2] != 1:
+        raise ShapeError(f"q, k and v must have one shape [..., 1, D] (one new token per row), got "
+                         f"{fmt_shape(q.shape)}, {fmt_shape(k.shape)} and {fmt_shape(v.shape)}")
+    if cache_k.shape != cache_v.shape or cache_k.shape[:-2] != q.shape[:-2] \
+            or cache_k.shape[-1:] != q.shape[-1:] or cache_k.shape[-2] < 1:
+        raise ShapeError(f"the caches must both be [..., T, D] with T >= 1 and q's leading axes and D "
+                         f"(q {fmt_shape(q.shape)}), got cache_k {fmt_shape(cache_k.shape)} and cache_v "
+                         f"{fmt_shape(cache_v.shape)}")
+    _scalar_input(position, "position", "iu")
+    return q.shape, _same_dtype(inputs[:5])
+
+
+def cached_positions_mask(position: Tensor, capacity: int, like: Tensor) -> Tensor:
+    """``[capacity]`` of `like`'s dtype: 0 where a cached position j < position, -inf elsewhere."""
+    slots = position.graph.const(np.arange(capacity, dtype=position.dtype))
+    return where(less(slots, position), lift(0.0, like), -math.inf)
+
+
+def _cached_attention_decompose(q, k, v, cache_k, cache_v, position, scale):
+    t = cache_k.shape[-2]
+    s_cache = (q @ swapaxes(cache_k, -1, -2)) * scale + cached_positions_mask(position, t, q)   # [..., 1, T]
+    s_self = sum(q * k, axis=-1, keepdims=True) * scale                                       # [..., 1, 1]
+    p = softmax(concat([s_cache, s_self], axis=-1), -1)                                       # [..., 1, T+1]
+    return p[..., :t] @ cache_v + p[..., t:] * v
+
+
+register("cached_attention", _infer_cached_attention, decompose=_cached_attention_decompose,
+         doc="one decode step: softmax([q @ cache_k^T * scale + mask(j < position), sum(q*k) * scale]) "
+             "@ [cache_v; v], q, k, v [..., 1, D], caches [..., T, D]",
+         vjp_doc="through its decomposition")
+
+
+def cached_attention(q, k, v, cache_k, cache_v, position, scale: float | None = None) -> Tensor:
+    """The attention of one new token per row (``q, k, v [..., 1, D]``) against the keys and
+    values cached at positions ``< position`` (``cache_k, cache_v [..., T, D]``, `position` a
+    scalar integer tensor in [0, T)) and against its own key and value: one softmax over the
+    ``position + 1`` scores. `scale` defaults to ``1/sqrt(D)``. -> ``[..., 1, D]``."""
+    return apply("cached_attention", (q, k, v, cache_k, cache_v, position), scale=attention_scale(q, scale))
 
 
 # --- dropout ---------------------------------------------------------------------------------------

@@ -240,6 +240,27 @@ def _attention_backward(q, k, v, g, scale):
     return apply("causal_attention_backward", (q, k, v, gl.causal_attention(q, k, v, scale), g), scale=scale)
 
 
+def np_cached_attention(q, k, v, cache_k, cache_v, position):
+    """The new token's attention over the cached slots < position and its own key, as a plain
+    softmax over position + 1 scores."""
+    p, scale = int(position), 1 / math.sqrt(q.shape[-1])
+    s = np.concatenate([q @ np.swapaxes(cache_k[..., :p, :], -1, -2), (q * k).sum(-1, keepdims=True)], -1)
+    e = np_softmax(s * scale)
+    return e[..., :p] @ cache_v[..., :p, :] + e[..., p:] * v
+
+
+def t_cached_attention(q, k, v, cache_k, cache_v, position):
+    p = int(position)
+    keys, values = torch.cat([cache_k[..., :p, :], k], -2), torch.cat([cache_v[..., :p, :], v], -2)
+    return TF.scaled_dot_product_attention(q, keys, values)
+
+
+def cached_attention_inputs(lead, t, d, position_bound):
+    """q, k, v [*lead, 1, d], the caches [*lead, t, d] and a position drawn in [0, position_bound)."""
+    new, cache = (F(*lead, 1, d),) * 3, (F(*lead, t, d),) * 2
+    return new + cache + (I(position_bound),)
+
+
 ATTENTION = [(2, 3, 5, 4), (6, 3), (1, 2, 100, 3)]   # the last: 100 queries make two query blocks
 
 
@@ -469,6 +490,11 @@ CASES = [
          [(F(*s), F(*s), F(*s), F(*s)) for s in ATTENTION],
          lambda q, k, v, g: np_causal_attention_backward(q, k, v, g, 0.6),
          lambda q, k, v, g: t_causal_attention_backward(q, k, v, g, 0.6)),
+    Case("cached_attention", gl.cached_attention,
+         [cached_attention_inputs((2, 3), 5, 4, 5), cached_attention_inputs((), 6, 3, 6),
+          cached_attention_inputs((2,), 1, 2, 1), cached_attention_inputs((1, 2), 7, 3, 7),
+          cached_attention_inputs((3,), 9, 4, 9)],   # positions 0, T-1, 0 (T = 1), T-1, 2
+         np_cached_attention, t_cached_attention),
     Case("log_softmax_backward",
          lambda x, g: apply("log_softmax_backward", (gl.log_softmax(x), g), axis=x.ndim - 1),
          [(F(*s), F(*s)) for s in NORM], lambda x, g: g - np_softmax(x) * g.sum(-1, keepdims=True),

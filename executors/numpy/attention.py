@@ -1,7 +1,8 @@
 """Kernels of the numpy executor: causal attention in query blocks, forward and backward, with
 and without the kept scores E and row sums l (``causal_attention_keep`` and
 ``causal_attention_backward_kept``, tensors of the graph made by graphlm/passes/kept_values.py;
-their layout is graphlm.ops.causal_attention_keep_layout)."""
+their layout is graphlm.ops.causal_attention_keep_layout); and a decode step's attention against
+the KV cache (``cached_attention``), which reads only the cache positions in use."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,6 +10,7 @@ import numpy as np
 from graphlm.ops import attention_query_blocks, attention_score_size, causal_attention_keep_layout
 
 from . import pool
+from ..reference import check_cached_position
 from .table import kernel, scalar
 from .tiling import run_blocks
 
@@ -204,3 +206,40 @@ def build_causal_attention_backward(node, out, ins, scratch, steps=ATTENTION_BLO
     arrays = [q, k, v, o, g, l, out[0], out[1], out[2], gs, dd, tmp,
               *_score_blocks(e, lead, blocks), *_score_blocks(ds, lead, blocks)]
     return _attention_closure(body, arrays, lead, t, 2 * _attention_flops(shape))
+
+
+# == cached attention: one decode step against the KV cache ===========================================
+# graphlm.ops.cached_attention reads only the `position` cached slots in use (NumPy views cut at
+# the position fed this run) and its own key: e = exp(s - rowmax) over the position + 1 scores
+# s = [q @ cache_k[:p]^T, sum(q*k)] * scale, then (e[:p] @ cache_v[:p] + e[p] * v) / rowsum(e).
+# Fewer terms and the division last: it rounds its own way (rounds_own_way=True). Each (row, head)
+# is its own product, so a row's values do not depend on the batch around it.
+
+def _cached_attention_scratch(node, pos):
+    """The scores [..., 1, T + 1], the row max / sum [..., 1, 1] and e[p] * v [..., 1, D]."""
+    q, t = node.inputs[0], node.inputs[3].shape[-2]
+    return [(q.shape[:-1] + (t + 1,), node.dtype), (q.shape[:-1] + (1,), node.dtype), (q.shape, node.dtype)]
+
+
+@kernel("cached_attention", scratch=_cached_attention_scratch, rounds_own_way=True)
+def build_cached_attention(node, out, ins, scratch):
+    q, k, v, cache_k, cache_v, position = ins
+    scores, l, tmp = scratch
+    t, scale = cache_k.shape[-2], scalar(node.attrs["scale"], node.dtype)
+
+    def run():
+        p = check_cached_position(node, position, t)
+        e = scores[..., :p + 1]
+        np.matmul(q, np.swapaxes(cache_k[..., :p, :], -1, -2), out=e[..., :p])
+        np.multiply(q, k, tmp)
+        np.add.reduce(tmp, axis=-1, keepdims=True, out=e[..., p:])
+        np.multiply(e, scale, e)
+        np.maximum.reduce(e, axis=-1, keepdims=True, out=l)
+        np.subtract(e, l, e)
+        np.exp(e, e)
+        np.add.reduce(e, axis=-1, keepdims=True, out=l)
+        np.matmul(e[..., :p], cache_v[..., :p, :], out=out)
+        np.multiply(e[..., p:], v, tmp)
+        np.add(out, tmp, out)
+        np.divide(out, l, out)
+    return run
