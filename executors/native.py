@@ -621,7 +621,7 @@ def _adamw_update(node, out, ins, scratch):
 SMALL_ROWS = 16             # a matmul of at most this many rows per product runs in C (gl_matmul_small)
 SMALL_COLUMN_QUANTUM = 32   # a column cut falls on a multiple of this (the C kernel's widest block)
 TEAM_MIN_FLOPS = 1 << 16    # a small product below this runs whole on n threads (a piece handed over costs ~1 us)
-TEAM_PIECE_WORDS = 14       # int64 words per piece of gl_team_run's table (native_team.c, PIECE_WORDS)
+TEAM_PIECE_WORDS = 19       # int64 words per piece of gl_team_run's table (native_team.c, PIECE_WORDS)
 
 
 def _entry_offsets(x, batch) -> np.ndarray | None:
@@ -638,6 +638,15 @@ def _entry_offsets(x, batch) -> np.ndarray | None:
             shape[lead + axis] = d
             off = off + (np.arange(d, dtype=np.int64) * (st // x.itemsize)).reshape(shape)
     return off.reshape(-1)
+
+
+def team_table(pieces) -> np.ndarray:
+    """gl_team_run's table [pieces, TEAM_PIECE_WORDS] int64 from tuples of words (each piece's
+    kind first, then its words; the rest of its row 0: native_team.c, PIECE_WORDS)."""
+    table = np.zeros((len(pieces), TEAM_PIECE_WORDS), np.int64)
+    for row, words in zip(table, pieces):
+        row[:len(words)] = words
+    return table
 
 
 def small_product_layout(a, b, out):
@@ -702,9 +711,8 @@ def small_matmul_closure(a, b, out):
         table = tables.get(threads, False)
         if table is False:
             cuts = pieces(threads)
-            table = tables[threads] = np.array(
-                [(kind, *pointers, e0, e1, m, k, lda, ldb, ldo, j0, j1) for e0, e1, j0, j1 in cuts],
-                np.int64).reshape(len(cuts), TEAM_PIECE_WORDS) if cuts else None
+            table = tables[threads] = team_table(
+                [(kind, *pointers, e0, e1, m, k, lda, ldb, ldo, j0, j1) for e0, e1, j0, j1 in cuts]) if cuts else None
         if table is None:
             return whole()
         team(table.ctypes.data, len(table))
@@ -782,11 +790,8 @@ def _team_table(calls_per_piece, sgemm) -> tuple[np.ndarray, np.ndarray]:
     """(pieces, calls) tables for gl_team_run: piece i makes the calls calls_per_piece[i]."""
     fn, kind = sgemm
     calls = np.array([c for piece in calls_per_piece for c in piece], np.int64).reshape(-1, SGEMM_WORDS)
-    pieces, c0 = np.zeros((len(calls_per_piece), TEAM_PIECE_WORDS), np.int64), 0
-    for i, piece in enumerate(calls_per_piece):
-        pieces[i, :5] = (kind, fn, calls.ctypes.data, c0, c0 + len(piece))
-        c0 += len(piece)
-    return pieces, calls
+    bounds = np.cumsum([0] + [len(piece) for piece in calls_per_piece])
+    return team_table([(kind, fn, calls.ctypes.data, c0, c1) for c0, c1 in zip(bounds[:-1], bounds[1:])]), calls
 
 
 def blas_team_tables(a, b, out, threads, sgemm):
@@ -862,8 +867,8 @@ def _rows_of(x, d: int):
 @native_kernel("cached_attention", rounds_own_way=True)
 def _cached_attention(node, out, ins, scratch):
     """gl_cached_attention over the (batch row, head) rows, which read only the cache slots in
-    use; the rows split over threads as every product does (above pool.MIN_SPLIT_FLOPS at a full
-    cache), each row computed as it is alone."""
+    use; on n threads the rows run as n ranges on the C worker team (native_team.c), each row
+    computed as it is alone."""
     q, k, v, cache_k, cache_v, position = ins
     scores = scratch[0]
     t, d = cache_k.shape[-2], cache_k.shape[-1]
@@ -880,16 +885,26 @@ def _cached_attention(node, out, ins, scratch):
     def call(r0, r1):
         return functools.partial(fn, *pointers, r0, r1, t, d, ldq, ldk, ldv, ldo, t * d, scale)
 
-    def split(threads):
-        if 4 * rows * t * d < pool.MIN_SPLIT_FLOPS:
-            return []
-        return [call(r0, r1) for r0, r1 in even_cuts(rows, threads)]
-    inner = threaded(call(0, rows), split)
+    whole, team, tables = call(0, rows), library().gl_team_run, {}
+    scale_bits = int(np.float32(scale).view(np.uint32))
+
+    def pieces(threads):
+        """On n threads: n row ranges on the C worker team (a table for gl_team_run), where the
+        work at a full cache reaches 4 TEAM_MIN_FLOPS; else None (whole on this thread)."""
+        if threads < 2 or 4 * rows * t * d < 4 * TEAM_MIN_FLOPS or rows < 2:
+            return None
+        return team_table([(4, *pointers, r0, r1, t, d, ldq, ldk, ldv, ldo, t * d, scale_bits)
+                           for r0, r1 in even_cuts(rows, threads)])
 
     def run():
         check_cached_position(node, position, t)   # (C trusts the position: it indexes the caches)
-        inner()
-    run.arrays = (q, k, v, cache_k, cache_v, out, scores, position)   # (the raw pointers point into these)
+        threads = get_threads()
+        table = tables[threads] if threads in tables else tables.setdefault(threads, pieces(threads))
+        if table is None:
+            return whole()
+        team(table.ctypes.data, len(table))
+    run.arrays = (q, k, v, cache_k, cache_v, out, scores, position, tables)   # (the raw pointers point into these)
+    run.pieces = pieces   # (for tests)
     return run
 
 

@@ -31,6 +31,10 @@ void gl_matmul_small(const float *a, const float *b, float *o, const int64_t *of
 void gl_matmul_small_nt(const float *a, const float *bt, float *o, const int64_t *offsets,
                         int64_t e0, int64_t e1, int64_t m, int64_t k, int64_t lda, int64_t ldb,
                         int64_t ldo, int64_t j0, int64_t j1);
+void gl_cached_attention(const float *q, const float *k, const float *v, const float *ck,
+                         const float *cv, float *out, float *scores, const int64_t *position,
+                         int64_t r0, int64_t r1, int64_t t, int64_t d, int64_t ldq, int64_t ldk,
+                         int64_t ldv, int64_t ldo, int64_t ldc, float scale);
 
 /* one piece: PIECE_WORDS int64 words (executors/native.py builds the table).
  *   kind 0 / 1: gl_matmul_small / gl_matmul_small_nt:
@@ -39,8 +43,11 @@ void gl_matmul_small_nt(const float *a, const float *bt, float *o, const int64_t
  *       takes 64-bit integers, kind 3: 32-bit), each SGEMM_WORDS words:
  *       kind, sgemm (the BLAS's cblas_sgemm), calls (address), c0, c1
  *   a call: transa, transb, m, n, k, a, lda, b, ldb, c, ldc (row-major, alpha 1, beta 0: the
- *   call NumPy's matmul makes for that piece, which the executor checks bit for bit once) */
-#define PIECE_WORDS 14
+ *   call NumPy's matmul makes for that piece, which the executor checks bit for bit once)
+ *   kind 4: gl_cached_attention's rows [r0, r1), its arguments in order (scale's float bits last):
+ *       kind, q, k, v, cache_k, cache_v, out, scores, position, r0, r1, t, d, ldq, ldk, ldv, ldo,
+ *       ldc, scale */
+#define PIECE_WORDS 19
 #define SGEMM_WORDS 11
 
 typedef void (*sgemm64_t)(int, int, int, int64_t, int64_t, int64_t, float, const float *, int64_t,
@@ -65,8 +72,19 @@ static void run_sgemm_calls(const int64_t *p) {
 }
 
 static void run_piece(const int64_t *p) {
-    if (p[0] >= 2) {
+    if (p[0] == 2 || p[0] == 3) {
         run_sgemm_calls(p);
+        return;
+    }
+    if (p[0] == 4) {
+        float scale;
+        uint32_t bits = (uint32_t)p[18];
+        memcpy(&scale, &bits, 4);
+        gl_cached_attention((const float *)(intptr_t)p[1], (const float *)(intptr_t)p[2],
+                            (const float *)(intptr_t)p[3], (const float *)(intptr_t)p[4],
+                            (const float *)(intptr_t)p[5], (float *)(intptr_t)p[6],
+                            (float *)(intptr_t)p[7], (const int64_t *)(intptr_t)p[8], p[9], p[10],
+                            p[11], p[12], p[13], p[14], p[15], p[16], p[17], scale);
         return;
     }
     const float *a = (const float *)(intptr_t)p[1], *b = (const float *)(intptr_t)p[2];
