@@ -209,6 +209,7 @@ def test_causal_attention_in_query_blocks_matches_reference(monkeypatch, query_b
     monkeypatch.setattr(kept_values, "KEEP_SCORES_PER_OUTPUT", 10)   # T = 37 over D = 8 keeps 4.6x
     monkeypatch.setattr(attention, "ATTENTION_CHUNK", chunk)
     monkeypatch.setattr(pool, "MIN_SPLIT_FLOPS", 0)
+    monkeypatch.setattr(pool, "MIN_SPLIT_ATTENTION_FLOPS", 0)
     shape = (2, 3, 37, 8)
     g, y, grads, alone = _attention_graph(shape, dtype)
     rng = np.random.default_rng(11)
@@ -448,6 +449,7 @@ def test_size_groups_cover_every_item_once_in_order(sizes, n):
 def split_everything(monkeypatch):
     """Split every kernel that can be split, however small (the graphs of tests are small)."""
     monkeypatch.setattr(pool, "MIN_SPLIT_FLOPS", 0)
+    monkeypatch.setattr(pool, "MIN_SPLIT_ATTENTION_FLOPS", 0)
     monkeypatch.setattr(pool, "MIN_SPLIT_ROWS", 0)
     monkeypatch.setattr(pool, "MIN_SPLIT_COPY", 0)
     monkeypatch.setattr(pool, "MIN_BLOCKS_PER_THREAD", 1)

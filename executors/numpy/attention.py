@@ -67,7 +67,7 @@ def _attention_closure(body, arrays, lead, t: int, flops: int):
     runs cut finer and split over the executor's threads when the work is large."""
     def runs(pieces):
         return [tuple(a[idx] for a in arrays) for idx in _attention_chunks(lead, t, pieces)]
-    return run_blocks(body, runs(1), runs if flops >= pool.MIN_SPLIT_FLOPS else lambda n: [])
+    return run_blocks(body, runs(1), runs if flops >= pool.MIN_SPLIT_ATTENTION_FLOPS else lambda n: [])
 
 
 def _attention_flops(shape) -> int:

@@ -22,10 +22,13 @@ import numpy as np
 _workers = {"threads": 1, "pool": None}
 MIN_SPLIT_FLOPS = 1 << 23   # a matmul below this (~100 us on one core) is not split
 MIN_SPLIT_ROWS = 1 << 16    # elements: a row-wise kernel below this is not split
+MIN_SPLIT_ATTENTION_FLOPS = 1 << 25   # causal attention below this is not split (see below)
 MIN_SPLIT_COPY = 1 << 18    # elements: a copy below this is not split
 MIN_BLOCKS_PER_THREAD = 4   # a blocked kernel (or a dropout mask) with fewer blocks per thread is not split
 # (measured per kernel at batch 1 on 2 threads: attention's 6.3 MFLOP products and the
-# 74K-element QKV gradient assembly took longer split than whole)
+# 74K-element QKV gradient assembly took longer split than whole; causal attention, whose query
+# blocks run Python between their BLAS calls, took 1.55 ms split against 0.83 ms whole at 9.4
+# MFLOP, a prefill of 128 tokens at batch 1)
 
 
 def openblas_libraries() -> list[str]:
