@@ -1,8 +1,9 @@
 """The native executor: the numpy executor with its hot float32 kernels in C.
 
-``executors.get("native")`` plans memory, fuses and threads exactly as the numpy executor does
-(it is a `NumpyProgram` with another kernel table): the same arena, the same schedule, NumPy and
-BLAS for the matmuls of many rows. What changes is the kernels below, each one fused pass in C over
+``executors.get("native")`` plans memory and fuses exactly as the numpy executor does (it is a
+`NumpyProgram` with another kernel table): the same arena, the same schedule, NumPy and BLAS for
+the matmuls of many rows, cut over threads where the numpy executor cuts them (but run on the C
+worker team of native_team.c, not on the Python pool: "BLAS products" below). What changes is the kernels below, each one fused pass in C over
 the planned float32 arrays instead of several NumPy passes (executors/native_kernels.c):
 
     exp, tanh GELU and its backward          (a vectorised float32 exp, within 2 ulp)
@@ -11,7 +12,7 @@ the planned float32 arrays instead of several NumPy passes (executors/native_ker
     causal attention's softmax and gradient  (the matmuls stay BLAS; the blocks' softmax in C)
     dropout                                  (the mask drawn and applied in one pass)
     AdamW                                    (one pass per parameter)
-    matmuls of at most SMALL_ROWS rows       (decoding: x @ W^T, a query against the caches)
+    matmuls of at most SMALL_ROWS rows       (decoding and short prefills: x @ W^T)
     a decode step's cached attention         (reading only the cache slots in use)
 
 Small products. BLAS takes other paths for a product of 1 row (GEMV) and of 8 (small-m GEMM,
@@ -649,6 +650,25 @@ def team_table(pieces) -> np.ndarray:
     return table
 
 
+def team_closure(whole, tables_for, otherwise=None):
+    """A closure running ``whole()`` on one thread, and on n threads the team table that
+    ``tables_for(n)`` returns (built once per n: (table, *arrays the table's addresses point
+    into)), or ``otherwise()`` (default whole) where it returns None."""
+    tables: dict[int, tuple | None] = {}
+    team = library().gl_team_run
+
+    def run():
+        threads = get_threads()
+        if threads == 1:
+            return whole()
+        found = tables[threads] if threads in tables else tables.setdefault(threads, tables_for(threads))
+        if found is None:
+            return (otherwise or whole)()
+        team(found[0].ctypes.data, len(found[0]))
+    run.whole, run.tables = whole, tables
+    return run
+
+
 def small_product_layout(a, b, out):
     """How gl_matmul_small (or _nt) takes ``a @ b -> out``: (C function name, lda, ldb, ldo,
     offsets [entries, 3]), or None where it does not (not float32, more than SMALL_ROWS rows,
@@ -701,23 +721,12 @@ def small_matmul_closure(a, b, out):
             cuts = [(0, entries, j0, j1) for j0, j1 in by_column]
         return cuts if len(cuts) > 1 else []
 
-    tables: dict[int, np.ndarray | None] = {}
-    team = library().gl_team_run
-
-    def run():
-        threads = get_threads()
-        if threads == 1:
-            return whole()
-        table = tables.get(threads, False)
-        if table is False:
-            cuts = pieces(threads)
-            table = tables[threads] = team_table(
-                [(kind, *pointers, e0, e1, m, k, lda, ldb, ldo, j0, j1) for e0, e1, j0, j1 in cuts]) if cuts else None
-        if table is None:
-            return whole()
-        team(table.ctypes.data, len(table))
-    run.whole = whole
-    run.arrays = (a, b, out, offsets, tables)   # (the raw pointers above point into these)
+    def tables_for(threads):
+        cuts = pieces(threads)
+        return (team_table([(kind, *pointers, e0, e1, m, k, lda, ldb, ldo, j0, j1)
+                            for e0, e1, j0, j1 in cuts]),) if cuts else None
+    run = team_closure(whole, tables_for)
+    run.arrays = (a, b, out, offsets)   # (the raw pointers above point into these)
     run.small_product, run.pieces = True, pieces   # (for tools and tests)
     return run
 
@@ -825,21 +834,8 @@ def blas_matmul_closure(a, b, out):
     whole, sgemm = getattr(base, "whole", None), blas_sgemm()
     if whole is None or sgemm is None:   # never split, or no OpenBLAS: as the numpy executor
         return base
-    tables: dict[int, tuple | None] = {}
-    team = library().gl_team_run
-
-    def run():
-        threads = get_threads()
-        if threads == 1:
-            return whole()
-        found = tables.get(threads, False)
-        if found is False:
-            found = tables[threads] = blas_team_tables(a, b, out, threads, sgemm)
-        if found is None:
-            return base()
-        team(found[0].ctypes.data, len(found[0]))
-    run.whole = whole
-    run.arrays, run.tables = (a, b, out), tables   # (the tables' addresses point into these)
+    run = team_closure(whole, lambda threads: blas_team_tables(a, b, out, threads, sgemm), base)
+    run.arrays = (a, b, out)   # (the tables' addresses point into these)
     return run
 
 
@@ -885,25 +881,21 @@ def _cached_attention(node, out, ins, scratch):
     def call(r0, r1):
         return functools.partial(fn, *pointers, r0, r1, t, d, ldq, ldk, ldv, ldo, t * d, scale)
 
-    whole, team, tables = call(0, rows), library().gl_team_run, {}
     scale_bits = int(np.float32(scale).view(np.uint32))
 
     def pieces(threads):
-        """On n threads: n row ranges on the C worker team (a table for gl_team_run), where the
-        work at a full cache reaches 4 TEAM_MIN_FLOPS; else None (whole on this thread)."""
+        """On n threads: (a gl_team_run table of n row ranges,) where the work at a full cache
+        reaches 4 TEAM_MIN_FLOPS; else None (whole on this thread)."""
         if threads < 2 or 4 * rows * t * d < 4 * TEAM_MIN_FLOPS or rows < 2:
             return None
-        return team_table([(4, *pointers, r0, r1, t, d, ldq, ldk, ldv, ldo, t * d, scale_bits)
-                           for r0, r1 in even_cuts(rows, threads)])
+        return (team_table([(4, *pointers, r0, r1, t, d, ldq, ldk, ldv, ldo, t * d, scale_bits)
+                            for r0, r1 in even_cuts(rows, threads)]),)
+    inner = team_closure(call(0, rows), pieces)
 
     def run():
         check_cached_position(node, position, t)   # (C trusts the position: it indexes the caches)
-        threads = get_threads()
-        table = tables[threads] if threads in tables else tables.setdefault(threads, pieces(threads))
-        if table is None:
-            return whole()
-        team(table.ctypes.data, len(table))
-    run.arrays = (q, k, v, cache_k, cache_v, out, scores, position, tables)   # (the raw pointers point into these)
+        inner()
+    run.arrays = (q, k, v, cache_k, cache_v, out, scores, position, inner)   # (the raw pointers point into these)
     run.pieces = pieces   # (for tests)
     return run
 
