@@ -3,8 +3,9 @@
 ``executors.get("native")`` plans memory and fuses exactly as the numpy executor does (it is a
 `NumpyProgram` with another kernel table): the same arena, the same schedule, NumPy and BLAS for
 the matmuls of many rows, cut over threads where the numpy executor cuts them (but run on the C
-worker team of native_team.c, not on the Python pool: "BLAS products" below). What changes is the kernels below, each one fused pass in C over
-the planned float32 arrays instead of several NumPy passes (executors/native_kernels.c):
+worker team of native_team.c, not on the Python pool: "BLAS products" below). What changes is
+the kernels below, each one fused pass in C over the planned float32 arrays instead of several
+NumPy passes (executors/native_kernels.c):
 
     exp, tanh GELU and its backward          (a vectorised float32 exp, within 2 ulp)
     softmax over the last axis               (rowmax, exp, rowsum and divide in one pass per row)
@@ -35,8 +36,9 @@ check them bit for bit. exp, GELU, layer norm and the attention softmax round th
 and tests compare them with the reference within float32 tolerances.
 
 Building. The C files (SOURCES) are compiled into one library on first use (as tinygrad's
-CLANG back end does) with ``$CC`` (default ``cc``) and ``-O3 -march=native``, into ``$GRAPHLM_CACHE_DIR`` (default
-``~/.cache/graphlm``), named by a hash of the source, flags, compiler and CPU; later processes
+CLANG back end does) with ``$CC`` (default ``cc``) and ``-O3 -march=native``, into
+``$GRAPHLM_CACHE_DIR`` (default ``~/.cache/graphlm``), named by a hash of the sources, flags,
+compiler and CPU; later processes
 load the cached library. Its size and sha256 are recorded beside it at build time
 (``native-KEY.so.json``) and checked before every load, with every kernel symbol: a truncated,
 damaged or incomplete file is built again, never mapped. A library is loaded only from a folder
@@ -81,7 +83,7 @@ from .numpy.matmul import matmul_closure, matmul_parts, matmul_sum_closure, prob
 from .numpy.tiling import even_cuts, size_groups
 
 SOURCES = (Path(__file__).with_name("native_kernels.c"),   # the kernels
-           Path(__file__).with_name("native_team.c"))      # the worker team that splits small products
+           Path(__file__).with_name("native_team.c"))      # the worker team that runs a product's pieces
 FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-std=c11",
          "-fPIC", "-shared", "-pthread")
 HOST_FLAGS = ("-march=native",)   # dropped when the compiler does not take it
@@ -622,7 +624,6 @@ def _adamw_update(node, out, ins, scratch):
 SMALL_ROWS = 16             # a matmul of at most this many rows per product runs in C (gl_matmul_small)
 SMALL_COLUMN_QUANTUM = 32   # a column cut falls on a multiple of this (the C kernel's widest block)
 TEAM_MIN_FLOPS = 1 << 16    # a small product below this runs whole on n threads (a piece handed over costs ~1 us)
-TEAM_PIECE_WORDS = 19       # int64 words per piece of gl_team_run's table (native_team.c, PIECE_WORDS)
 
 
 def _entry_offsets(x, batch) -> np.ndarray | None:
@@ -641,10 +642,16 @@ def _entry_offsets(x, batch) -> np.ndarray | None:
     return off.reshape(-1)
 
 
+def team_words() -> tuple[int, int]:
+    """(int64 words per piece of gl_team_run's table, words per cblas_sgemm call of a BLAS
+    piece): native_team.c's PIECE_WORDS and SGEMM_WORDS, read from the library."""
+    return tuple((ctypes.c_int64 * 2).in_dll(library(), "gl_team_words"))
+
+
 def team_table(pieces) -> np.ndarray:
-    """gl_team_run's table [pieces, TEAM_PIECE_WORDS] int64 from tuples of words (each piece's
+    """gl_team_run's table [pieces, words per piece] int64 from tuples of words (each piece's
     kind first, then its words; the rest of its row 0: native_team.c, PIECE_WORDS)."""
-    table = np.zeros((len(pieces), TEAM_PIECE_WORDS), np.int64)
+    table = np.zeros((len(pieces), team_words()[0]), np.int64)
     for row, words in zip(table, pieces):
         row[:len(words)] = words
     return table
@@ -739,7 +746,6 @@ def small_matmul_closure(a, b, out):
 # strides (a BLAS other than the one NumPy calls, or a call NumPy would make another way, shows
 # there). Where the check fails or no OpenBLAS is loaded, the pieces run on the Python pool.
 
-SGEMM_WORDS = 11   # int64 words per call in a BLAS piece's table (native_team.c, SGEMM_WORDS)
 _sgemm: dict[str, tuple[int, int] | None] = {}
 
 
@@ -795,10 +801,10 @@ def sgemm_calls(a, b, out) -> list[tuple] | None:
     return calls
 
 
-def _team_table(calls_per_piece, sgemm) -> tuple[np.ndarray, np.ndarray]:
+def _sgemm_tables(calls_per_piece, sgemm) -> tuple[np.ndarray, np.ndarray]:
     """(pieces, calls) tables for gl_team_run: piece i makes the calls calls_per_piece[i]."""
     fn, kind = sgemm
-    calls = np.array([c for piece in calls_per_piece for c in piece], np.int64).reshape(-1, SGEMM_WORDS)
+    calls = np.array([c for piece in calls_per_piece for c in piece], np.int64).reshape(-1, team_words()[1])
     bounds = np.cumsum([0] + [len(piece) for piece in calls_per_piece])
     return team_table([(kind, fn, calls.ctypes.data, c0, c1) for c0, c1 in zip(bounds[:-1], bounds[1:])]), calls
 
@@ -822,9 +828,9 @@ def blas_team_tables(a, b, out, threads, sgemm):
                 return address - lo + to
         raise ValueError("a piece's operand outside its product")
     probe = [[c[:5] + (moved(c[5]), c[6], moved(c[7]), c[8], moved(c[9]), c[10]) for c in piece] for piece in calls]
-    table, _keep = _team_table(probe, sgemm)
+    table, _keep = _sgemm_tables(probe, sgemm)
     library().gl_team_run(table.ctypes.data, len(table))
-    return _team_table(calls, sgemm) if same_bits(got, want) else None
+    return _sgemm_tables(calls, sgemm) if same_bits(got, want) else None
 
 
 def blas_matmul_closure(a, b, out):
@@ -886,7 +892,8 @@ def _cached_attention(node, out, ins, scratch):
     def pieces(threads):
         """On n threads: (a gl_team_run table of n row ranges,) where the work at a full cache
         reaches 4 TEAM_MIN_FLOPS; else None (whole on this thread)."""
-        if threads < 2 or 4 * rows * t * d < 4 * TEAM_MIN_FLOPS or rows < 2:
+        full_cache_flops = 4 * rows * t * d   # the scores and the weighted sum over every slot
+        if threads < 2 or rows < 2 or full_cache_flops < 4 * TEAM_MIN_FLOPS:
             return None
         return (team_table([(4, *pointers, r0, r1, t, d, ldq, ldk, ldv, ldo, t * d, scale_bits)
                             for r0, r1 in even_cuts(rows, threads)]),)
@@ -896,7 +903,6 @@ def _cached_attention(node, out, ins, scratch):
         check_cached_position(node, position, t)   # (C trusts the position: it indexes the caches)
         inner()
     run.arrays = (q, k, v, cache_k, cache_v, out, scores, position, inner)   # (the raw pointers point into these)
-    run.pieces = pieces   # (for tests)
     return run
 
 

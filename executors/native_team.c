@@ -49,6 +49,7 @@ void gl_cached_attention(const float *q, const float *k, const float *v, const f
  *       ldc, scale */
 #define PIECE_WORDS 19
 #define SGEMM_WORDS 11
+const int64_t gl_team_words[2] = {PIECE_WORDS, SGEMM_WORDS};   /* read by executors/native.py */
 
 typedef void (*sgemm64_t)(int, int, int, int64_t, int64_t, int64_t, float, const float *, int64_t,
                           const float *, int64_t, float, float *, int64_t);
