@@ -1,7 +1,9 @@
 """Sampling from a GPT with a KV cache held in `state`.
 
-Two static-shape programs share one state (the model's params plus the key and value caches of
-every attention module, ``cache.<module>.{k,v}`` of shape ``[B, H, T, D]``). Both are the model's
+Two static-shape programs share one state (the model's params, the key and value caches of
+every attention module, ``cache.<module>.{k,v}`` of shape ``[B, H, T, D]``, and ``W.T``, the
+transpose of each weight a product reads transposed, taken once: graphlm/passes/
+transposed_weights.py; so a Generator samples the weights it was given). Both are the model's
 own forward, called with an `nn.KVCache` that each attention module reads and writes
 (`MultiheadAttention.attend_cached`), so any model whose blocks pass the cache along samples
 with it (every `GPTConfig` variant does):
@@ -45,6 +47,8 @@ from . import ops
 from .backends import get_executor
 from .ir import Graph, Tensor, fmt_shape
 from .nn import KVCache
+from .passes.rewrite import rewrite
+from .passes.transposed_weights import TRANSPOSED_WEIGHTS, transposed_params
 from .random import SplitMix64
 
 CACHE_PREFIX = "cache"
@@ -58,8 +62,9 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 def build_graph(model, batch_size: int, length: int | None) -> tuple[Graph, Tensor, list[Tensor]]:
     """The prefill graph (length L) or, with length None, the decode graph. Returns
     (graph, logits [B, V], cache-write nodes). Inputs: ``tokens`` [B, L or 1] and, for decode,
-    ``position`` (int64 scalar). The model is built in eval mode (no dropout); its modes are
-    restored afterwards."""
+    ``position`` (int64 scalar); params: the model's, a weight read transposed as ``W.T``
+    (`transposed_params` makes them). The model is built in eval mode (no dropout); its modes
+    are restored afterwards."""
     modes = [(m, m.training) for _, m in model.named_modules()]
     model.eval()
     try:
@@ -68,7 +73,9 @@ def build_graph(model, batch_size: int, length: int | None) -> tuple[Graph, Tens
         position = g.input("position", (), np.int64) if length is None else None
         cache = KVCache(g, model.config.context_length, position, prefix=CACHE_PREFIX)
         logits = model(tokens, cache=cache, logits_to_keep=1)              # [B, 1, V]
-        return g, ops.reshape(logits, (batch_size, logits.shape[-1])), cache.writes
+        outputs = [ops.reshape(logits, (batch_size, logits.shape[-1]))] + cache.writes
+        done = rewrite(g, outputs, TRANSPOSED_WEIGHTS)
+        return done.graph, done.outputs[0], done.outputs[1:]
     finally:
         for m, mode in modes:
             object.__setattr__(m, "training", mode)
@@ -317,7 +324,9 @@ def _count(n, what: str, where: str = "generate") -> int:
 
 class Generator:
     """Autoregressive decoding of `model` with a KV cache (module docstring). `params` are
-    shared, not copied: the programs read them from the same `state` dict as the caches. The
+    shared, not copied: the programs read them from the same `state` dict as the caches, and
+    the transposes ``W.T`` taken from them here (after changing a weight, make a new
+    Generator). The
     batch size is fixed: `generate` samples one continuation, `generate_batch` `batch_size`
     continuations of one prompt, decoded together."""
 
@@ -335,6 +344,7 @@ class Generator:
                              f"got {keep}")
         self._graphs = {None: build_graph(model, self.batch_size, None)}
         self.state: dict[str, np.ndarray] = dict(params)
+        self.state.update(transposed_params(self._graphs[None][0], params))
         caches = self._graphs[None][0].states       # the attention modules' caches
         self.cache_names = list(caches)
         for name, leaf in caches.items():
@@ -349,6 +359,7 @@ class Generator:
         if prog is None:
             t0 = time.perf_counter()
             g, logits, writes = self._graphs.pop(length, None) or build_graph(self.model, self.batch_size, length)
+            self.state.update(transposed_params(g, self.state))   # (the decode graph's: taken in __init__)
             prog = get_executor(self.executor).compile(g, [logits] + writes)
             self._programs[length] = prog
             self.compile_seconds += time.perf_counter() - t0

@@ -13,6 +13,7 @@ from graphlm.passes.dropout_masks import DROPOUT_MASKS
 from graphlm.passes.kept_values import KEPT_VALUES
 from graphlm.passes.matmul_sum import MATMUL_SUM
 from graphlm.passes.slice_gradients import SLICE_GRADIENTS
+from graphlm.passes.transposed_weights import TRANSPOSED_WEIGHTS, transposed_params
 from graphlm.testing import assert_close
 
 REF = executors.get("reference")
@@ -279,6 +280,59 @@ def test_the_numpy_pipeline_runs_on_reference_and_numpy_alike():
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     # every source node the outputs need maps to a node of the rewritten graph
     assert all(t.graph is rw.graph and t.id >= 0 for t in rw.replaced.values())
+
+
+def test_transposed_weights_reads_each_weight_transposed_once_and_drops_what_nothing_reads():
+    g = gl.Graph("tw")
+    x = g.input("x", (2, 3, 4), "float64")
+    w = g.param("w", (5, 4), "float64")         # a Linear's weight, read twice as w^T
+    e = g.param("e", (6, 5), "float64")         # a tied table: also read as itself
+    q = g.param("q", (2, 4, 4), "float64")      # batched: only its last two axes swap
+    u = g.input("u", (4, 5), "float64")         # not a param: fed each run, left alone
+    h = gl.tanh(x @ gl.transpose(w)) + gl.tanh(x) @ gl.transpose(w)
+    outs = [h @ gl.transpose(e), gl.sum(e, axis=1), x @ gl.transpose(q, (0, 2, 1)), gl.tanh(x) @ u]
+    rng = np.random.default_rng(3)
+    feeds = {"x": rng.standard_normal((2, 3, 4)), "u": rng.standard_normal((4, 5))}
+    params = {k: rng.standard_normal(v.shape) for k, v in g.params.items()}
+    rw = passes.rewrite(g, outs, TRANSPOSED_WEIGHTS)
+    assert sorted(rw.graph.params) == ["e", "e.T", "q.T", "w.T"]       # w: nothing reads it now
+    assert not any(n.op == "transpose" and n.inputs[0].op == "param" for n in rw.graph.nodes)
+    assert rw.graph.params["q.T"].shape == (2, 4, 4) and rw.graph.inputs.keys() == {"x", "u"}
+    extra = transposed_params(rw.graph, params)
+    assert sorted(extra) == ["e.T", "q.T", "w.T"] and all(a.flags.c_contiguous for a in extra.values())
+    assert transposed_params(rw.graph, {**params, **extra}) == {}       # nothing left to take
+    got = REF.compile(rw.graph, rw.outputs).run(feeds, {**params, **extra})
+    want = REF.compile(g, outs).run(feeds, params)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
+    # a transpose of other axes, or of a non-param, is copied as it was
+    other = [g.input("y", (4, 3, 2), "float64") @ gl.transpose(q, (1, 0, 2)), x @ gl.transpose(g.input("v", (5, 4), "float64"))]
+    assert passes.rewrite(g, other, TRANSPOSED_WEIGHTS).graph is g
+    taken = g.param("e.T", (5, 6), "float64")   # a param of W.T's name already: not W's transpose
+    xw = x[0] @ gl.transpose(w)
+    assert passes.rewrite(g, [xw @ taken + xw @ gl.transpose(e)], TRANSPOSED_WEIGHTS).graph.params.keys() \
+        == {"w.T", "e.T", "e"}
+
+
+def test_a_generators_programs_read_the_transposed_weights():
+    """The Generator's prefill and decode graphs read each Linear weight and the tied head as W.T,
+    taken once from the params it was given; the originals stay shared, not copied."""
+    from graphlm.models import GPT, GPTConfig
+    from graphlm.sample import Generator
+    model = GPT(GPTConfig(vocab_size=11, context_length=8, channels=16, head_count=2, layer_count=1, dropout=0.0))
+    params = model.init(seed=2)
+    gen = Generator(model, params, batch_size=2, executor="numpy")
+    decode = gen._graphs[None][0]
+    linear = sorted(k[:-2] for k in decode.params if k.endswith(".T"))
+    assert linear == sorted(f"blocks.0.{m}.weight" for m in ("attention.output", "mlp_input", "mlp_output")) \
+        + ["language_model_head.weight"]
+    assert not set(linear) & set(decode.params) and all(gen.state[k] is v for k, v in params.items())
+    for k in linear:
+        assert gen.state[k + ".T"].tobytes() == np.ascontiguousarray(params[k].T).tobytes()
+    assert not any(n.op == "transpose" and n.inputs[0].op == "param" for n in decode.nodes)
+    logits = gen.prefill(np.array([[1, 2, 3], [4, 5, 6]]))
+    want = model.logits(params, np.array([[1, 2, 3], [4, 5, 6]]), executor="reference")[:, -1]
+    np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-6)
 
 
 def test_a_rule_that_changes_the_shape_is_refused():

@@ -10,6 +10,8 @@ import pytest
 import graphlm as gl
 from graphlm import executors, nn
 from graphlm.models import GPT, GPTConfig
+from graphlm.passes import rewrite
+from graphlm.passes.transposed_weights import TRANSPOSED_WEIGHTS
 from graphlm.random import SplitMix64
 from graphlm.sample import (Generator, apply_repetition_penalty, build_graph, choose_token,
                             generate_full_recompute)
@@ -82,13 +84,15 @@ def test_greedy_equals_full_recompute_within_and_past_context(kind, executor):
 
 def test_the_cache_path_is_the_models_forward():
     """The prefill graph is the model's forward with a cache: the same ops as the plain forward
-    (plus the cache writes), the head over the last position only."""
+    (plus the cache writes), the head over the last position only; both read the weights of
+    their products transposed (the pass transposed_weights)."""
     m, _ = MODELS["variant"]
     g = gl.Graph("plain")
     m.eval()
-    m(g.input("tokens", (1, 5), np.int64))
+    forward = rewrite(g, [m(g.input("tokens", (1, 5), np.int64))], TRANSPOSED_WEIGHTS).graph
     prefill, logits, writes = build_graph(m, 1, 5)
-    plain, cached = (Counter(n.op for n in graph.nodes) for graph in (g, prefill))
+    assert not any(n.op == "transpose" and n.inputs[0].op == "param" for n in prefill.nodes)
+    plain, cached = (Counter(n.op for n in graph.nodes) for graph in (forward, prefill))
     n = VARIANT.layer_count
     # extra: the caches and their writes (at the constant position 0), the last position's
     # slice before the head and the [B, V] reshape of its logits; nothing missing

@@ -9,7 +9,7 @@ node but leaves, which a rule must name), and the first that returns a tensor re
 node. A node no rule replaced is copied with its name, scope and backward flag, its shape and
 dtype inferred again by its op's rule where an input's changed. Nodes a replacement made
 redundant (the intermediates it absorbed) are left dead and dropped at the end, so a rule only
-builds what it replaces. Rules see the source graph (`Context.uses`, `Context.private`) and
+builds what it replaces; so is a leaf no node reads any more (from the graph's tables too). Rules see the source graph (`Context.uses`, `Context.private`) and
 build in the new one (`Context.new`, `Context.emit`, `Context.copy`). Which forward node's VJP
 made each backward node (`Graph.forward_partner`) carries over.
 """
@@ -179,6 +179,9 @@ def rewrite(graph: Graph, outputs: Sequence[Tensor], pass_: Pass, copy: bool = F
         return Rewritten(graph, outputs, {n.id: n for n in nodes}, (pass_.name,))
     new_outputs = [ctx.new(o) for o in outputs]
     new_graph.eliminate_dead_since(0, new_outputs)
+    for table in (new_graph.inputs, new_graph.params, new_graph.states):   # leaves no node reads now
+        for name in [k for k, leaf in table.items() if leaf.id < 0]:
+            del table[name]
     replaced = {}
     for n in nodes:
         t, owner = ctx._new[n.id], n.id
