@@ -108,7 +108,7 @@ SIGNATURES = {   # C function -> argument types (every function returns void)
     "gl_layer_norm_backward": (_P, _P, _P, _P, _P, _I, _I, _F),
     "gl_causal_softmax_block": (_P, _P, _I, _I, _I, _I, _I),
     "gl_softmax_ds_block": (_P, _P, _P, _I, _I, _I, _I),
-    "gl_dropout_draw": (_P, _P, _P, _I, _I, _U64, _U64, _F),
+    "gl_dropout_draw": (_P, _P, _P, _I, _I, _P, _U64, _F),
     "gl_dropout_apply": (_P, _P, _P, _I, _F),
     "gl_adamw": (_P, _P, _P, _P, _I, _F, _INT, _F, _F, _F, _F, _F, _F, _F, _F),
     "gl_matmul_small": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I),
@@ -322,15 +322,21 @@ def _native(*arrays) -> bool:
 
 def _split_calls(call, units: int, unit_size: int, arrays):
     """A closure running ``call(0, units)``, or on n threads ``call(lo, hi)`` over n contiguous
-    ranges of units (each `unit_size` elements; split only above MIN_SPLIT elements per thread).
-    `arrays` are held so their memory outlives the raw pointers inside the calls."""
+    ranges of units (each `unit_size` elements; split only above MIN_SPLIT elements per thread):
+    on the C worker team, as kernel call pieces (`call_piece`), or where a call cannot be one,
+    on the Python pool. `arrays` are held so their memory outlives the raw pointers inside the
+    calls."""
     whole = call(0, units)
 
     def split(n):
         if units * unit_size < MIN_SPLIT * n:
             return []
         return [call(lo, hi) for lo, hi in even_cuts(units, n, max(1, 64 // max(1, unit_size)))]
-    run = threaded(whole, split)
+
+    def tables_for(n):
+        pieces = [call_piece(part) for part in split(n)]
+        return (team_table(pieces),) if len(pieces) > 1 and None not in pieces else None
+    run = team_closure(whole, tables_for, threaded(whole, split))
     run.arrays = arrays
     return run
 
@@ -544,10 +550,11 @@ def _draw_closure(node, key, mask, x, out):
         return None
     lib, threshold = library(), keep_threshold(a["p"])
     scale = float(np.float32(1.0 / (1.0 - a["p"])))
-    base = [0]   # this run's stream start, read by the pieces
+    base = np.zeros(1, np.uint64)   # this run's stream start, read by the pieces through its address
     pointers = (_ptr(mask), _ptr(x), _ptr(out))
-    draw = _split_calls(lambda lo, hi: lambda: lib.gl_dropout_draw(*pointers, lo, hi, base[0], threshold, scale),
-                        mask.size, 1, (x, mask, out))
+    draw = _split_calls(lambda lo, hi: functools.partial(lib.gl_dropout_draw, *pointers, lo, hi, _ptr(base),
+                                                         threshold, scale),
+                        mask.size, 1, (x, mask, out, base))
 
     def run():
         base[0] = stream_base(int(key), a["stream"])
@@ -642,10 +649,40 @@ def _entry_offsets(x, batch) -> np.ndarray | None:
     return off.reshape(-1)
 
 
-def team_words() -> tuple[int, int]:
+def team_words() -> tuple[int, int, int, int]:
     """(int64 words per piece of gl_team_run's table, words per cblas_sgemm call of a BLAS
-    piece): native_team.c's PIECE_WORDS and SGEMM_WORDS, read from the library."""
-    return tuple((ctypes.c_int64 * 2).in_dll(library(), "gl_team_words"))
+    piece, integer words and floats of a kernel call piece): native_team.c's PIECE_WORDS,
+    SGEMM_WORDS, CALL_INTS and CALL_FLOATS, read from the library."""
+    return tuple((ctypes.c_int64 * 4).in_dll(library(), "gl_team_words"))
+
+
+# the calling conventions under which native_team.c's run_call finds a kernel's arguments
+CALLS_BY_CLASS = os.name == "posix" and platform.machine().lower() in ("x86_64", "amd64", "aarch64", "arm64")
+
+
+def call_piece(part) -> tuple | None:
+    """A kernel call ``functools.partial(library().gl_..., *args)`` as the words of a team piece
+    of kind 5 (native_team.c: the function's address, its integer-class arguments, then its
+    floats' bits), read from the function's declared argument types; None where it cannot be
+    one (not such a partial, an argument of another type, too many of a class, or a platform
+    whose calling convention does not pass the two classes apart)."""
+    fn, args = getattr(part, "func", None), getattr(part, "args", ())
+    types = getattr(fn, "argtypes", None)
+    if not CALLS_BY_CLASS or types is None or getattr(part, "keywords", None) or len(args) != len(types):
+        return None
+    _, _, max_ints, max_floats = team_words()
+    ints, floats = [], []
+    for kind, a in zip(types, args):
+        if kind is _F:
+            floats.append(int(np.float32(a).view(np.uint32)))
+        elif kind in (_P, _I, _U64):
+            v = 0 if a is None else int(a)
+            ints.append(v - (1 << 64) if v >= 1 << 63 else v)   # (a uint64's bits as an int64 word)
+        else:
+            return None
+    if len(ints) > max_ints or len(floats) > max_floats:
+        return None
+    return (5, ctypes.cast(fn, ctypes.c_void_p).value, *ints, *[0] * (max_ints - len(ints)), *floats)
 
 
 def team_table(pieces) -> np.ndarray:

@@ -262,7 +262,8 @@ void gl_softmax_ds_block(float *s, const float *e, const float *dd, int64_t nmat
  * numpy_executor.keep_mask_drawer); mask[i] = keep and, when x is not NULL,
  * out[i] = (x[i] * keep) * scale. */
 void gl_dropout_draw(uint8_t *mask, const float *x, float *out, int64_t lo, int64_t hi,
-                     uint64_t base, uint64_t threshold, float scale) {
+                     const uint64_t *base_word, uint64_t threshold, float scale) {
+    const uint64_t base = *base_word;   /* (this run's stream start: a word the caller sets per run) */
     for (int64_t i = lo; i < hi; i++) {
         uint64_t z = base + (uint64_t)(i + 1) * GOLDEN;
         z = (z ^ (z >> 30)) * MIX1;

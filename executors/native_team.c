@@ -46,10 +46,22 @@ void gl_cached_attention(const float *q, const float *k, const float *v, const f
  *   call NumPy's matmul makes for that piece, which the executor checks bit for bit once)
  *   kind 4: gl_cached_attention's rows [r0, r1), its arguments in order (scale's float bits last):
  *       kind, q, k, v, cache_k, cache_v, out, scores, position, r0, r1, t, d, ldq, ldk, ldv, ldo,
- *       ldc, scale */
+ *       ldc, scale
+ *   kind 5: one call of a kernel whose arguments are at most CALL_INTS integer-class words
+ *       (pointers, int64_t, uint64_t) and at most CALL_FLOATS floats, in any order:
+ *       kind, the function's address, its integer words in order (the rest 0), its floats' bits
+ *       in order (the rest 0). run_call calls it through one function type of CALL_INTS words
+ *       and CALL_FLOATS floats: the C calling conventions graphlm builds for (System V x86-64,
+ *       AAPCS64) pass integer-class and float arguments in two separate sequences (registers,
+ *       then the stack for integers past the registers, in order), so the kernel finds each of
+ *       its arguments where its own type would have put it and ignores the extra ones.
+ *       executors/native.py (`call_piece`) builds such pieces only on those platforms and only
+ *       from a kernel's declared argument types. */
 #define PIECE_WORDS 19
 #define SGEMM_WORDS 11
-const int64_t gl_team_words[2] = {PIECE_WORDS, SGEMM_WORDS};   /* read by executors/native.py */
+#define CALL_INTS 12
+#define CALL_FLOATS 4
+const int64_t gl_team_words[4] = {PIECE_WORDS, SGEMM_WORDS, CALL_INTS, CALL_FLOATS};   /* read by executors/native.py */
 
 typedef void (*sgemm64_t)(int, int, int, int64_t, int64_t, int64_t, float, const float *, int64_t,
                           const float *, int64_t, float, float *, int64_t);
@@ -72,7 +84,25 @@ static void run_sgemm_calls(const int64_t *p) {
     }
 }
 
+typedef void (*call_t)(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                       int64_t, int64_t, int64_t, int64_t, float, float, float, float);
+
+static void run_call(const int64_t *p) {
+    const int64_t *w = p + 2;   /* CALL_INTS words, then CALL_FLOATS float bits */
+    float f[CALL_FLOATS];
+    for (int i = 0; i < CALL_FLOATS; i++) {
+        uint32_t bits = (uint32_t)w[CALL_INTS + i];
+        memcpy(&f[i], &bits, 4);
+    }
+    ((call_t)(intptr_t)p[1])(w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7], w[8], w[9], w[10], w[11],
+                             f[0], f[1], f[2], f[3]);
+}
+
 static void run_piece(const int64_t *p) {
+    if (p[0] == 5) {
+        run_call(p);
+        return;
+    }
     if (p[0] == 2 || p[0] == 3) {
         run_sgemm_calls(p);
         return;

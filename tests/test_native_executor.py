@@ -241,6 +241,80 @@ def test_adamw_is_bit_identical_to_numpy(threads, monkeypatch):
     assert [k for k in sa if sa[k].tobytes() != sb[k].tobytes()] == []
 
 
+@pytest.mark.threads
+@pytest.mark.skipif(not native.CALLS_BY_CLASS, reason="kernel call pieces need System V x86-64 or AAPCS64")
+def test_kernel_calls_run_on_the_team_with_the_bits_of_one_call():
+    """A kernel call as team pieces (native_team.c, kind 5) finds every argument where its C type
+    puts it: layer norm's ten (three integer words past x86-64's six registers, then a float),
+    the GELU backward's four floats, the dropout draw's 64-bit threshold past 2^63 and its run's
+    stream start read through an address. Three pieces give the bits of one call."""
+    import functools
+    lib, rng = native.library(), np.random.default_rng(5)
+    rows, cols = 37, 48
+    ptr = lambda a: a.ctypes.data
+
+    def same_bits(make, outputs, units):
+        make(0, units)()
+        whole = [o.copy() for o in outputs]
+        for o in outputs:
+            o[...] = np.nan
+        cuts = [(0, 5), (5, units // 2), (units // 2, units)]
+        pieces = [native.call_piece(make(lo, hi)) for lo, hi in cuts]
+        assert None not in pieces and {p[0] for p in pieces} == {5}
+        table = native.team_table(pieces)
+        lib.gl_team_run(ptr(table), len(table))
+        return all(a.tobytes() == b.tobytes() for a, b in zip(whole, outputs))
+
+    x, w, b = (rng.standard_normal(n).astype(np.float32) for n in (rows * cols, cols, cols))
+    y, xc, xhat = (np.empty(rows * cols, np.float32) for _ in range(3))
+    sv = np.empty(rows, np.float32)
+    at = lambda a, per, lo: ptr(a) + 4 * per * lo
+    norm = lambda lo, hi: functools.partial(lib.gl_layer_norm, at(x, cols, lo), ptr(w), ptr(b), at(y, cols, lo),
+                                            at(xc, cols, lo), at(sv, 1, lo), at(xhat, cols, lo), hi - lo, cols, 1e-5)
+    assert same_bits(norm, [y, xc, sv, xhat], rows)
+    n = rows * cols
+    g, out = rng.standard_normal(n).astype(np.float32), np.empty(n, np.float32)
+    gelu = lambda lo, hi: functools.partial(lib.gl_gelu_tanh_backward, at(x, 1, lo), at(g, 1, lo), None, at(out, 1, lo),
+                                            hi - lo, native.GELU_A, native.GELU_B, native.GELU_DA, native.GELU_DB)
+    assert same_bits(gelu, [out], n)
+    mask, base = np.empty(n, np.bool_), np.array([0x9E3779B97F4A7C15], np.uint64)
+    threshold = native.keep_threshold(0.9)
+    assert threshold >= 1 << 63
+    draw = lambda lo, hi: functools.partial(lib.gl_dropout_draw, ptr(mask), ptr(x), ptr(out), lo, hi, ptr(base),
+                                            threshold, 10.0)
+    assert same_bits(draw, [mask, out], n) and 0.05 < mask.mean() < 0.15
+    # what cannot be a piece: another argument type (AdamW's int, 9 floats), too many words, no partial
+    assert native.call_piece(functools.partial(lib.gl_adamw, *[0] * 15)) is None
+    assert native.call_piece(functools.partial(lib.gl_cached_attention, *[0] * 18)) is None
+    assert native.call_piece(lambda: None) is None
+
+
+@pytest.mark.threads
+def test_a_training_steps_row_kernels_run_on_the_team(monkeypatch, small_pieces):
+    """On 2 threads the split C kernels of a training step become team pieces (none of them
+    is left to the Python pool), and the step gives the bits of 1 thread."""
+    from graphlm.models import GPTConfig
+    made, call_piece = [], native.call_piece
+
+    def recording(part):
+        piece = call_piece(part)
+        made.append((getattr(getattr(part, "func", None), "__name__", None), piece is not None))
+        return piece
+    monkeypatch.setattr(native, "call_piece", recording)
+    cfg = GPTConfig(vocab_size=256, context_length=64, channels=64, head_count=2, layer_count=1, dropout=0.1)
+    g, outputs, feeds, params, _ = gpt_step(8, cfg)
+    feeds = {**feeds, "dropout_key": np.asarray(3, np.int64)}
+    prog = NATIVE.compile(g, outputs)
+    _threads(1)
+    one = prog.run(feeds, params)
+    _threads(2)
+    two = prog.run(feeds, params)
+    assert {"gl_gelu_tanh_sigmoid", "gl_gelu_tanh_backward", "gl_layer_norm", "gl_layer_norm_backward",
+            "gl_dropout_draw", "gl_dropout_apply"} <= {name for name, ok in made}
+    assert all(ok for _, ok in made)
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(one, two))
+
+
 def test_float64_and_strided_inputs_take_the_numpy_kernels():
     """A float64 graph gives the numpy executor's results bit for bit, and a transposed (strided)
     input to a native op falls back to the numpy kernel."""
