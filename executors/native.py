@@ -72,7 +72,8 @@ from graphlm.random import stream_base
 
 from .numpy import KERNELS as NUMPY_KERNELS
 from .numpy import Kernel, NumpyProgram, get_threads
-from .numpy.attention import build_causal_attention, build_causal_attention_backward, softmax_block, softmax_ds_block
+from .numpy.attention import (attention_flops, attention_plan, build_causal_attention, build_causal_attention_backward,
+                              keep_views, softmax_block, softmax_ds_block)
 from .numpy.dropout import keep_threshold
 from .numpy.norms import layer_norm_keep_views
 from .numpy.optimizer import adamw_schedule
@@ -115,6 +116,8 @@ SIGNATURES = {   # C function -> argument types (every function returns void)
     "gl_matmul_small_nt": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I),
     "gl_team_run": (_P, _I),
     "gl_cached_attention": (_P,) * 8 + (_I,) * 9 + (_F,),
+    "gl_causal_attention": (_P, _I, _I, _F),
+    "gl_causal_attention_backward": (_P, _I, _I, _F),
 }
 
 _library: dict[str, object] = {}
@@ -534,9 +537,84 @@ def _with_native_steps(numpy_build):
     return build
 
 
-native_kernel("causal_attention", "causal_attention_keep")(_with_native_steps(build_causal_attention))
-native_kernel("causal_attention_backward", "causal_attention_backward_kept")(
-    _with_native_steps(build_causal_attention_backward))
+# Where NumPy's BLAS has a cblas_sgemm to call, causal attention runs whole in C instead
+# (gl_causal_attention and _backward: the same steps, the products as BLAS calls), its score
+# matrices cut in ranges on the C worker team; the backward without kept scores stays above.
+PLAN_ARRAYS = 12   # native_kernels.c's PLAN_ARRAYS: array addresses in an attention plan
+MIN_TEAM_ATTENTION_FLOPS = 1 << 20   # causal attention below this runs whole on one thread
+
+
+def _attention_in_c(node, fn, shape, strided, arrays, flops):
+    """The closure of `fn` (gl_causal_attention or _backward) over the matrices of q's `shape`:
+    its plan words (native_kernels.c) from the `strided` arrays (q, k, v, g: rows of contiguous
+    floats, any matrix strides) and the contiguous `arrays` in the kernel's order; None where
+    no sgemm is found or an array is not laid out so."""
+    sgemm = blas_sgemm()
+    lead, (t, d) = shape[:-2], shape[-2:]
+    ok = lambda x: x.dtype == np.float32 and x.strides[-1] == 4 and x.strides[-2] % 4 == 0
+    if sgemm is None or not all(ok(x) for x in strided) or not _native(*arrays) or 0 in shape:
+        return None
+    offsets = [_entry_offsets(x, lead) for x in strided]
+    if any(o is None for o in offsets):
+        return None
+    offsets += [np.zeros_like(offsets[0])] * (4 - len(offsets))   # (4 per matrix: q, k, v, g)
+    table = np.ascontiguousarray(np.stack(offsets, axis=1), np.int64)
+    blocks, _, scale = attention_plan(node, shape)
+    bounds = [r0 for r0, _ in blocks] + [blocks[-1][1]]
+    m = len(table)
+    plan = np.array([t, d, m, len(blocks), *sgemm, *[x.strides[-2] // 4 for x in strided] + [0] * (4 - len(strided)), _ptr(table),
+                     *_plan_addresses(fn, strided, arrays), *bounds], np.int64)
+    call = lambda m0, m1: functools.partial(fn, _ptr(plan), m0, m1, float(scale))
+
+    def tables_for(threads):
+        if m < 2 or flops < MIN_TEAM_ATTENTION_FLOPS:
+            return None
+        pieces = [call_piece(call(m0, m1)) for m0, m1 in even_cuts(m, threads)]
+        return (team_table(pieces),) if None not in pieces else None
+    run = team_closure(call(0, m), tables_for)
+    run.arrays = (plan, table, *strided, *arrays)   # (the raw addresses in the plan point into these)
+    return run
+
+
+def _plan_addresses(fn, strided, arrays) -> list[int]:
+    """The PLAN_ARRAYS array addresses of an attention plan: the forward's q, k, v then its own
+    arrays; the backward's q, k, v, o, g, then the rest (native_kernels.c names the order)."""
+    if fn.__name__ == "gl_causal_attention":
+        found = [_ptr(x) for x in strided[:3] + list(arrays)]
+    else:
+        o, *rest = arrays
+        found = [_ptr(x) for x in list(strided[:3]) + [o, strided[3]] + rest]
+    return found + [0] * (PLAN_ARRAYS - len(found))
+
+
+def _causal_attention(node, out, ins, scratch):
+    if node.dtype != np.float32:
+        return None
+    q, k, v = ins
+    if node.op == "causal_attention_keep":
+        (qs,), parts = scratch, keep_views(out, node)
+        y, e, l = parts["y"], parts["e"], parts["l"]
+    else:
+        (qs, e, l), y = scratch, out
+    return (_attention_in_c(node, library().gl_causal_attention, q.shape, [q, k, v], [y, e, l, qs],
+                            attention_flops(q.shape))
+            or _with_native_steps(build_causal_attention)(node, out, ins, scratch))
+
+
+def _causal_attention_backward(node, out, ins, scratch):
+    if node.dtype != np.float32:
+        return None
+    run = None
+    if node.op == "causal_attention_backward_kept":
+        q, k, v, o, e, l, g = ins
+        ds, gs, dd, tmp = scratch
+        run = _attention_in_c(node, library().gl_causal_attention_backward, node.shape[1:], [q, k, v, g],
+                              [o, e, l, out, ds, gs, tmp, dd], 2 * attention_flops(node.shape[1:]))
+    return run or _with_native_steps(build_causal_attention_backward)(node, out, ins, scratch)
+
+
+native_kernel("causal_attention", "causal_attention_keep")(_causal_attention)
+native_kernel("causal_attention_backward", "causal_attention_backward_kept")(_causal_attention_backward)
 
 
 # == dropout ================================================================================================

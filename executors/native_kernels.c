@@ -251,6 +251,122 @@ void gl_softmax_ds_block(float *s, const float *e, const float *dd, int64_t nmat
     }
 }
 
+/* ---- causal attention whole in C: the numpy kernel's steps, its products as BLAS calls -------- */
+
+/* The numpy attention kernels (executors/numpy/attention.py) run Python between their BLAS calls
+ * and steps, so on n threads their pieces queue for the GIL. These run the same steps for score
+ * matrices [m0, m1) with the products as cblas_sgemm calls of the BLAS NumPy uses (its address in
+ * the plan), one matrix after the other, each computed the same way whatever the range or thread.
+ *
+ * plan (int64 words, built once per node by executors/native.py): t, d, M (matrices of the node),
+ * nb (query blocks), the sgemm's address and integer width (2: 64-bit, 3: 32-bit, as
+ * native_team.c's piece kinds), the row strides (floats) of q, k, v and g, the address of a
+ * table of 4 element offsets per matrix (of q, k, v, g), the addresses of the node's arrays
+ * (PLAN_ARRAYS words, in the order each kernel names), then the nb + 1 query block bounds.
+ * Arrays other than q, k, v and g hold their matrices contiguously, matrix after matrix. Block b
+ * of matrix m of a score buffer (E, ds) is (r1 - r0) x r1 floats at M * (the sizes of the blocks
+ * before b) + m * (r1 - r0) * r1 (graphlm.ops.causal_attention_keep_layout). */
+enum { P_T, P_D, P_M, P_NB, P_SGEMM, P_KIND, P_LD, P_OFFSETS = P_LD + 4, P_ARRAYS, PLAN_ARRAYS = 12,
+       P_BOUNDS = P_ARRAYS + PLAN_ARRAYS };
+enum { CBLAS_ROW_MAJOR = 101, CBLAS_NO = 111, CBLAS_T = 112 };
+typedef void (*sgemm64_fn)(int, int, int, int64_t, int64_t, int64_t, float, const float *, int64_t,
+                           const float *, int64_t, float, float *, int64_t);
+typedef void (*sgemm32_fn)(int, int, int, int32_t, int32_t, int32_t, float, const float *, int32_t,
+                           const float *, int32_t, float, float *, int32_t);
+
+/* c = op(a) @ op(b) (op(a) m x k, op(b) k x n; row-major; ta / tb: that operand transposed) */
+static void plan_sgemm(const int64_t *plan, int ta, int tb, int64_t m, int64_t n, int64_t k, const float *a,
+                       int64_t lda, const float *b, int64_t ldb, float *c, int64_t ldc) {
+    int oa = ta ? CBLAS_T : CBLAS_NO, ob = tb ? CBLAS_T : CBLAS_NO;
+    if (plan[P_KIND] == 2)
+        ((sgemm64_fn)(intptr_t)plan[P_SGEMM])(CBLAS_ROW_MAJOR, oa, ob, m, n, k, 1.0f, a, lda, b, ldb, 0.0f, c, ldc);
+    else
+        ((sgemm32_fn)(intptr_t)plan[P_SGEMM])(CBLAS_ROW_MAJOR, oa, ob, (int32_t)m, (int32_t)n, (int32_t)k, 1.0f,
+                                              a, (int32_t)lda, b, (int32_t)ldb, 0.0f, c, (int32_t)ldc);
+}
+
+static float *plan_array(const int64_t *plan, int i) { return (float *)(intptr_t)plan[P_ARRAYS + i]; }
+
+/* matrix m's query block b in the score buffer `e` */
+static float *score_block(float *e, const int64_t *plan, int64_t b, int64_t m) {
+    const int64_t *bound = plan + P_BOUNDS;
+    int64_t before = 0;
+    for (int64_t i = 0; i < b; i++) before += (bound[i + 1] - bound[i]) * bound[i + 1];
+    return e + plan[P_M] * before + m * (bound[b + 1] - bound[b]) * bound[b + 1];
+}
+
+/* Forward, arrays q, k, v, o, E, l (t per matrix), qs (q * scale): per query block
+ * E = exp(qs @ k^T - rowmax) under the causal mask (gl_causal_softmax_block), l = rowsum(E),
+ * o = E @ v; then o /= l. */
+void gl_causal_attention(const int64_t *plan, int64_t m0, int64_t m1, float scale) {
+    const int64_t t = plan[P_T], d = plan[P_D], nb = plan[P_NB], *ld = plan + P_LD, *bound = plan + P_BOUNDS;
+    const int64_t *offsets = (const int64_t *)(intptr_t)plan[P_OFFSETS];
+    for (int64_t m = m0; m < m1; m++) {
+        const int64_t *off = offsets + 4 * m;
+        const float *qm = plan_array(plan, 0) + off[0], *km = plan_array(plan, 1) + off[1];
+        const float *vm = plan_array(plan, 2) + off[2];
+        float *om = plan_array(plan, 3) + m * t * d, *e = plan_array(plan, 4);
+        float *lm = plan_array(plan, 5) + m * t, *qsm = plan_array(plan, 6) + m * t * d;
+        for (int64_t i = 0; i < t; i++)
+            for (int64_t j = 0; j < d; j++) qsm[i * d + j] = qm[i * ld[0] + j] * scale;
+        for (int64_t b = 0; b < nb; b++) {
+            int64_t r0 = bound[b], r1 = bound[b + 1];
+            float *x = score_block(e, plan, b, m);
+            plan_sgemm(plan, 0, 1, r1 - r0, r1, d, qsm + r0 * d, d, km, ld[1], x, r1);
+            gl_causal_softmax_block(x, lm + r0, 1, r1 - r0, r1, r0, 0);
+            plan_sgemm(plan, 0, 0, r1 - r0, d, r1, x, r1, vm, ld[2], om + r0 * d, d);
+        }
+        for (int64_t i = 0; i < t; i++)
+            for (int64_t j = 0; j < d; j++) om[i * d + j] /= lm[i];
+    }
+}
+
+/* Backward from the kept E and l, arrays q, k, v, o, g, E, l, out (dq, dk, dv: the node's
+ * [3, ...] output), ds (a score buffer), gs, tmp (t x d per matrix), dd (t per matrix):
+ *   dd = rowsum(g*o) / l,  gs = g / l,  per block: ds = (gs @ v^T - dd) * E (gl_softmax_ds_block),
+ *   dq = ds @ k;  dk = the sum over blocks of ds^T @ q, dv of E^T @ gs (the last block writes,
+ *   the others add, from the last to the first);  dq, dk times the scale. */
+void gl_causal_attention_backward(const int64_t *plan, int64_t m0, int64_t m1, float scale) {
+    const int64_t t = plan[P_T], d = plan[P_D], nm = plan[P_M], nb = plan[P_NB];
+    const int64_t *ld = plan + P_LD, *bound = plan + P_BOUNDS;
+    const int64_t *offsets = (const int64_t *)(intptr_t)plan[P_OFFSETS];
+    for (int64_t m = m0; m < m1; m++) {
+        const int64_t *off = offsets + 4 * m;
+        const float *qm = plan_array(plan, 0) + off[0], *km = plan_array(plan, 1) + off[1];
+        const float *vm = plan_array(plan, 2) + off[2], *om = plan_array(plan, 3) + m * t * d;
+        const float *gm = plan_array(plan, 4) + off[3], *e = plan_array(plan, 5);
+        const float *lm = plan_array(plan, 6) + m * t;
+        float *out = plan_array(plan, 7), *ds = plan_array(plan, 8);
+        float *dq = out + m * t * d, *dk = out + (nm + m) * t * d, *dv = out + (2 * nm + m) * t * d;
+        float *gs = plan_array(plan, 9) + m * t * d, *tmp = plan_array(plan, 10) + m * t * d;
+        float *dd = plan_array(plan, 11) + m * t;
+        for (int64_t i = 0; i < t; i++) {
+            float acc = 0.0f;
+            for (int64_t j = 0; j < d; j++) acc += gm[i * ld[3] + j] * om[i * d + j];
+            dd[i] = acc / lm[i];
+            for (int64_t j = 0; j < d; j++) gs[i * d + j] = gm[i * ld[3] + j] / lm[i];
+        }
+        for (int64_t b = nb - 1; b >= 0; b--) {
+            int64_t r0 = bound[b], r1 = bound[b + 1], last = b == nb - 1;
+            float *s = score_block(ds, plan, b, m);
+            const float *x = score_block((float *)e, plan, b, m);
+            plan_sgemm(plan, 0, 1, r1 - r0, r1, d, gs + r0 * d, d, vm, ld[2], s, r1);
+            gl_softmax_ds_block(s, x, dd + r0, 1, r1 - r0, r1, 0);
+            plan_sgemm(plan, 0, 0, r1 - r0, d, r1, s, r1, km, ld[1], dq + r0 * d, d);
+            plan_sgemm(plan, 1, 0, r1, d, r1 - r0, s, r1, qm + r0 * ld[0], ld[0], last ? dk : tmp, d);
+            if (!last)
+                for (int64_t i = 0; i < r1 * d; i++) dk[i] += tmp[i];
+            plan_sgemm(plan, 1, 0, r1, d, r1 - r0, x, r1, gs + r0 * d, d, last ? dv : tmp, d);
+            if (!last)
+                for (int64_t i = 0; i < r1 * d; i++) dv[i] += tmp[i];
+        }
+        for (int64_t i = 0; i < t * d; i++) {
+            dq[i] *= scale;
+            dk[i] *= scale;
+        }
+    }
+}
+
 /* ---- dropout (graphlm.random: counter-based splitmix64) ---------------------------------- */
 
 #define GOLDEN 0x9E3779B97F4A7C15ull

@@ -184,6 +184,44 @@ def test_causal_attention_forward_and_backward(small_pieces, t, threads):
     close32(got, want, "attention", rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.threads
+@pytest.mark.parametrize("query_block", [64, 16, 5])
+def test_causal_attention_whole_in_c_matches_the_reference_and_any_cut(monkeypatch, query_block):
+    """The kept-scores pair runs whole in C (gl_causal_attention and _backward, their products as
+    NumPy's BLAS calls) on q, k, v with matrix strides (views of one fused QKV), in one query block
+    or several uneven ones: within float32 rounding of the reference, the same bits on 1 thread
+    and cut in matrix ranges on 2 and 3, no masked score read (NaN-poisoned arena); without a
+    BLAS sgemm to call it falls back to the numpy kernel with C steps."""
+    from graphlm.passes import kept_values
+    monkeypatch.setattr(gl.ops, "ATTENTION_QUERY_BLOCK", query_block)
+    monkeypatch.setattr(kept_values, "KEEP_SCORES_PER_OUTPUT", 10)
+    monkeypatch.setattr(native, "MIN_TEAM_ATTENTION_FLOPS", 0)
+    rng = np.random.default_rng(6)
+    b, h, t, d = 2, 3, 37, 8
+    g = gl.Graph("attention_c")
+    x = g.input("x", (b, t, 3 * h * d), np.float32)
+    q, k, v = (gl.transpose(gl.reshape(x[:, :, i * h * d:(i + 1) * h * d], (b, t, h, d)), (0, 2, 1, 3)) for i in range(3))
+    o = gl.causal_attention(q, k, v, scale=0.35)
+    u = g.const(rng.standard_normal(o.shape).astype(np.float32))
+    outputs = [o] + gl.grad(gl.sum(o * u), [x])
+    feeds = {"x": rng.standard_normal((b, t, 3 * h * d)).astype(np.float32)}
+    prog = NATIVE.compile(g, outputs, poison=True)
+    runs = []
+    for threads in (1, 2, 3):
+        _threads(threads)
+        runs.append(prog.run(feeds))
+    in_c = [n.op for n, step in zip(prog._step_nodes, prog._steps) if "attention" in n.op and hasattr(step, "tables")]
+    assert sorted(in_c) == ["causal_attention_backward_kept", "causal_attention_keep"]
+    want = REF.compile(g, outputs).run(feeds)
+    close32(runs[0], want, "attention in C", rtol=1e-5, atol=1e-6)
+    for other in runs[1:]:
+        assert all(a.tobytes() == c.tobytes() for a, c in zip(runs[0], other))
+    monkeypatch.setattr(native, "blas_sgemm", lambda: None)
+    fallback = NATIVE.compile(g, outputs, poison=True)
+    close32(fallback.run(feeds), runs[0], "numpy kernel with C steps", rtol=1e-5, atol=1e-6)
+    assert not any(hasattr(step, "tables") for n, step in zip(fallback._step_nodes, fallback._steps) if "attention" in n.op)
+
+
 def _dropout_graph(shape, p):
     g = gl.Graph("dropout")
     x = g.input("x", shape, np.float32)

@@ -70,7 +70,7 @@ def _attention_closure(body, arrays, lead, t: int, flops: int):
     return run_blocks(body, runs(1), runs if flops >= pool.MIN_SPLIT_ATTENTION_FLOPS else lambda n: [])
 
 
-def _attention_flops(shape) -> int:
+def attention_flops(shape) -> int:
     """The forward's product FLOPs with the masked quarter skipped (a split threshold only)."""
     t, d = shape[-2:]
     return 4 * int(np.prod(shape[:-2], dtype=np.int64)) * t * t * d * 3 // 4
@@ -134,7 +134,7 @@ def _attention_gradients(q, k, v, o, g, l, dq, dk, dv, gs, dd, tmp, e, ds, scale
     np.multiply(dk, scale, dk)
 
 
-def _attention_plan(node, shape):
+def attention_plan(node, shape):
     """(query blocks, the diagonal blocks' masks, scale) of an attention node on q of `shape`."""
     blocks = attention_query_blocks(shape[-2], node.attrs.get("query_block"))
     above = [~np.tri(r1 - r0, r1 - r0, dtype=bool) for r0, r1 in blocks]
@@ -167,11 +167,11 @@ def build_causal_attention(node, out, ins, scratch, steps=ATTENTION_BLOCK_STEPS)
         out, e, l = parts["y"], parts["e"], parts["l"]
     else:
         qs, e, l = scratch
-    blocks, above, scale = _attention_plan(node, q.shape)
+    blocks, above, scale = attention_plan(node, q.shape)
     lead, t = q.shape[:-2], q.shape[-2]
     body = lambda q, k, v, o, l, qs, *e: _attention_scores(q, k, v, o, l, qs, e, scale, blocks, above, steps)
     return _attention_closure(body, [q, k, v, out, l, qs, *_score_blocks(e, lead, blocks)], lead, t,
-                              _attention_flops(q.shape))
+                              attention_flops(q.shape))
 
 
 def _attention_backward_scratch(node, pos):
@@ -194,7 +194,7 @@ def build_causal_attention_backward(node, out, ins, scratch, steps=ATTENTION_BLO
         q, k, v, o, g = ins
         ds, gs, dd, tmp, e, l = scratch
     shape = node.shape[1:]
-    blocks, above, scale = _attention_plan(node, shape)
+    blocks, above, scale = attention_plan(node, shape)
     lead, t = shape[:-2], shape[-2]
     nb = len(blocks)
 
@@ -205,7 +205,7 @@ def build_causal_attention_backward(node, out, ins, scratch, steps=ATTENTION_BLO
         _attention_gradients(q, k, v, o, g, l, dq, dk, dv, gs, dd, tmp, e, ds, scale, blocks, steps)
     arrays = [q, k, v, o, g, l, out[0], out[1], out[2], gs, dd, tmp,
               *_score_blocks(e, lead, blocks), *_score_blocks(ds, lead, blocks)]
-    return _attention_closure(body, arrays, lead, t, 2 * _attention_flops(shape))
+    return _attention_closure(body, arrays, lead, t, 2 * attention_flops(shape))
 
 
 # == cached attention: one decode step against the KV cache ===========================================
