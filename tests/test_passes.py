@@ -314,6 +314,20 @@ def test_transposed_weights_reads_each_weight_transposed_once_and_drops_what_not
         == {"w.T", "e.T", "e"}
 
 
+def test_a_weight_past_max_bytes_is_read_as_it_is(monkeypatch):
+    from graphlm.passes import transposed_weights
+    g = gl.Graph("big")
+    x = g.input("x", (2, 4))
+    small, big = g.param("small", (6, 4)), g.param("big", (12, 6))   # 96 and 288 bytes
+    outs = [x @ gl.transpose(small), (x @ gl.transpose(small)) @ gl.transpose(big)]
+    monkeypatch.setattr(transposed_weights, "MAX_BYTES", 95)
+    assert passes.rewrite(g, outs, TRANSPOSED_WEIGHTS).graph is g
+    monkeypatch.setattr(transposed_weights, "MAX_BYTES", 96)
+    assert sorted(passes.rewrite(g, outs, TRANSPOSED_WEIGHTS).graph.params) == ["big", "small.T"]
+    monkeypatch.setattr(transposed_weights, "MAX_BYTES", 288)
+    assert sorted(passes.rewrite(g, outs, TRANSPOSED_WEIGHTS).graph.params) == ["big.T", "small.T"]
+
+
 def test_a_generators_programs_read_the_transposed_weights():
     """The Generator's prefill and decode graphs read each Linear weight and the tied head as W.T,
     taken once from the params it was given; the originals stay shared, not copied."""

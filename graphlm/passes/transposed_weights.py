@@ -9,7 +9,12 @@ kernels at 8 rows, docs/performance.md). Not in any executor's pipeline: an exec
 that a param does not change between runs (a training step changes them all).
 
 Each ``W.T`` is one param of the rewritten graph however many products read it; W itself stays
-only where something else reads it (the tied embedding table).
+only where something else reads it (the tied embedding table). A W of more than MAX_BYTES is
+left as it is: read from memory rather than cache at every step (GPT-2 small's MLP and head), its
+rows stream best as they are (the one-row NT kernel reads four at a time; with the transposes a
+GPT-2 small decode step on 2 threads went from 12.8-13.0 to 17.4-19.3 ms at best), and a copy
+would cost its size again. The rule reads the weight's size alone, never the batch, so a row of
+a batch still rounds as that row alone.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from graphlm.ir import Graph
 from .rewrite import Pass, Rule
 
 SUFFIX = ".T"   # W's transpose is the param named W's name + SUFFIX
+MAX_BYTES = 4 << 20   # a larger W stays as it is (below)
 
 
 def transposed_name(name: str) -> str:
@@ -36,7 +42,8 @@ def _last_two_swapped(axes) -> bool:
 
 def _read_transposed(node, ctx):
     a, b = node.inputs
-    if b.op != "transpose" or b.inputs[0].op != "param" or not _last_two_swapped(b.attrs["axes"]):
+    if (b.op != "transpose" or b.inputs[0].op != "param" or not _last_two_swapped(b.attrs["axes"])
+            or b.nbytes > MAX_BYTES):
         return None
     name = transposed_name(b.inputs[0].name)
     if name in b.graph.leaves():   # the source graph's own leaf of that name: not W's transpose
