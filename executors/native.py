@@ -336,10 +336,7 @@ def _split_calls(call, units: int, unit_size: int, arrays):
             return []
         return [call(lo, hi) for lo, hi in even_cuts(units, n, max(1, 64 // max(1, unit_size)))]
 
-    def tables_for(n):
-        pieces = [call_piece(part) for part in split(n)]
-        return (team_table(pieces),) if len(pieces) > 1 and None not in pieces else None
-    run = team_closure(whole, tables_for, threaded(whole, split))
+    run = team_closure(whole, lambda n: call_tables(split(n)), threaded(whole, split))
     run.arrays = arrays
     return run
 
@@ -540,51 +537,41 @@ def _with_native_steps(numpy_build):
 # Where NumPy's BLAS has a cblas_sgemm to call, causal attention runs whole in C instead
 # (gl_causal_attention and _backward: the same steps, the products as BLAS calls), its score
 # matrices cut in ranges on the C worker team; the backward without kept scores stays above.
-PLAN_ARRAYS = 12   # native_kernels.c's PLAN_ARRAYS: array addresses in an attention plan
 MIN_TEAM_ATTENTION_FLOPS = 1 << 20   # causal attention below this runs whole on one thread
 
 
 def _attention_in_c(node, fn, shape, strided, arrays, flops):
-    """The closure of `fn` (gl_causal_attention or _backward) over the matrices of q's `shape`:
-    its plan words (native_kernels.c) from the `strided` arrays (q, k, v, g: rows of contiguous
-    floats, any matrix strides) and the contiguous `arrays` in the kernel's order; None where
-    no sgemm is found or an array is not laid out so."""
+    """The closure of `fn` (gl_causal_attention or _backward) over the score matrices of q's
+    `shape`, from its plan words (native_kernels.c): `arrays` in the kernel's order, of which
+    `strided` (q, k, v and g: rows of contiguous floats, any matrix strides) are given by their
+    rows' stride and per-matrix offsets, the others contiguous; None where no sgemm is found or
+    an array is not laid out so."""
     sgemm = blas_sgemm()
     lead, (t, d) = shape[:-2], shape[-2:]
-    ok = lambda x: x.dtype == np.float32 and x.strides[-1] == 4 and x.strides[-2] % 4 == 0
-    if sgemm is None or not all(ok(x) for x in strided) or not _native(*arrays) or 0 in shape:
+    rows_ok = lambda x: x.dtype == np.float32 and x.strides[-1] == 4 and x.strides[-2] % 4 == 0
+    whole = [x for x in arrays if not any(x is y for y in strided)]
+    if sgemm is None or not all(rows_ok(x) for x in strided) or not _native(*whole) or 0 in shape:
         return None
     offsets = [_entry_offsets(x, lead) for x in strided]
     if any(o is None for o in offsets):
         return None
-    offsets += [np.zeros_like(offsets[0])] * (4 - len(offsets))   # (4 per matrix: q, k, v, g)
-    table = np.ascontiguousarray(np.stack(offsets, axis=1), np.int64)
+    pad = 4 - len(strided)   # (4 per matrix, and 4 strides: q, k, v, g)
+    table = np.ascontiguousarray(np.stack(offsets + [np.zeros_like(offsets[0])] * pad, axis=1), np.int64)
     blocks, _, scale = attention_plan(node, shape)
-    bounds = [r0 for r0, _ in blocks] + [blocks[-1][1]]
-    m = len(table)
-    plan = np.array([t, d, m, len(blocks), *sgemm, *[x.strides[-2] // 4 for x in strided] + [0] * (4 - len(strided)), _ptr(table),
-                     *_plan_addresses(fn, strided, arrays), *bounds], np.int64)
+    slots = ctypes.c_int64.in_dll(library(), "gl_attention_plan_arrays").value
+    plan = np.array([t, d, len(table), len(blocks), *sgemm, *(x.strides[-2] // 4 for x in strided), *[0] * pad,
+                     _ptr(table), *map(_ptr, arrays), *[0] * (slots - len(arrays)),
+                     *(r0 for r0, _ in blocks), blocks[-1][1]], np.int64)
     call = lambda m0, m1: functools.partial(fn, _ptr(plan), m0, m1, float(scale))
+    m = len(table)
 
     def tables_for(threads):
         if m < 2 or flops < MIN_TEAM_ATTENTION_FLOPS:
             return None
-        pieces = [call_piece(call(m0, m1)) for m0, m1 in even_cuts(m, threads)]
-        return (team_table(pieces),) if None not in pieces else None
+        return call_tables([call(m0, m1) for m0, m1 in even_cuts(m, threads)])
     run = team_closure(call(0, m), tables_for)
-    run.arrays = (plan, table, *strided, *arrays)   # (the raw addresses in the plan point into these)
+    run.arrays = (plan, table, *arrays)   # (the raw addresses in the plan point into these)
     return run
-
-
-def _plan_addresses(fn, strided, arrays) -> list[int]:
-    """The PLAN_ARRAYS array addresses of an attention plan: the forward's q, k, v then its own
-    arrays; the backward's q, k, v, o, g, then the rest (native_kernels.c names the order)."""
-    if fn.__name__ == "gl_causal_attention":
-        found = [_ptr(x) for x in strided[:3] + list(arrays)]
-    else:
-        o, *rest = arrays
-        found = [_ptr(x) for x in list(strided[:3]) + [o, strided[3]] + rest]
-    return found + [0] * (PLAN_ARRAYS - len(found))
 
 
 def _causal_attention(node, out, ins, scratch):
@@ -596,7 +583,7 @@ def _causal_attention(node, out, ins, scratch):
         y, e, l = parts["y"], parts["e"], parts["l"]
     else:
         (qs, e, l), y = scratch, out
-    return (_attention_in_c(node, library().gl_causal_attention, q.shape, [q, k, v], [y, e, l, qs],
+    return (_attention_in_c(node, library().gl_causal_attention, q.shape, [q, k, v], [q, k, v, y, e, l, qs],
                             attention_flops(q.shape))
             or _with_native_steps(build_causal_attention)(node, out, ins, scratch))
 
@@ -609,7 +596,7 @@ def _causal_attention_backward(node, out, ins, scratch):
         q, k, v, o, e, l, g = ins
         ds, gs, dd, tmp = scratch
         run = _attention_in_c(node, library().gl_causal_attention_backward, node.shape[1:], [q, k, v, g],
-                              [o, e, l, out, ds, gs, tmp, dd], 2 * attention_flops(node.shape[1:]))
+                              [q, k, v, o, g, e, l, out, ds, gs, tmp, dd], 2 * attention_flops(node.shape[1:]))
     return run or _with_native_steps(build_causal_attention_backward)(node, out, ins, scratch)
 
 
@@ -761,6 +748,13 @@ def call_piece(part) -> tuple | None:
     if len(ints) > max_ints or len(floats) > max_floats:
         return None
     return (5, ctypes.cast(fn, ctypes.c_void_p).value, *ints, *[0] * (max_ints - len(ints)), *floats)
+
+
+def call_tables(parts) -> tuple | None:
+    """(the team table of the kernel calls `parts`,) where there are two or more and each can be
+    a call piece (`call_piece`), else None (team_closure's tables_for)."""
+    pieces = [call_piece(part) for part in parts]
+    return (team_table(pieces),) if len(pieces) > 1 and None not in pieces else None
 
 
 def team_table(pieces) -> np.ndarray:

@@ -268,21 +268,30 @@ void gl_softmax_ds_block(float *s, const float *e, const float *dd, int64_t nmat
  * before b) + m * (r1 - r0) * r1 (graphlm.ops.causal_attention_keep_layout). */
 enum { P_T, P_D, P_M, P_NB, P_SGEMM, P_KIND, P_LD, P_OFFSETS = P_LD + 4, P_ARRAYS, PLAN_ARRAYS = 12,
        P_BOUNDS = P_ARRAYS + PLAN_ARRAYS };
-enum { CBLAS_ROW_MAJOR = 101, CBLAS_NO = 111, CBLAS_T = 112 };
+const int64_t gl_attention_plan_arrays = PLAN_ARRAYS;   /* read by executors/native.py */
+enum { CBLAS_ROW_MAJOR = 101, CBLAS_NO = 111, CBLAS_T = 112 };   /* CBLAS's enum values */
 typedef void (*sgemm64_fn)(int, int, int, int64_t, int64_t, int64_t, float, const float *, int64_t,
                            const float *, int64_t, float, float *, int64_t);
 typedef void (*sgemm32_fn)(int, int, int, int32_t, int32_t, int32_t, float, const float *, int32_t,
                            const float *, int32_t, float, float *, int32_t);
 
-/* c = op(a) @ op(b) (op(a) m x k, op(b) k x n; row-major; ta / tb: that operand transposed) */
+/* c = op(a) @ op(b) by the cblas_sgemm at `sgemm` (op(a) m x k, op(b) k x n; row-major, alpha 1,
+ * beta 0; ta / tb: that operand transposed); `width` 2: it takes 64-bit integers, 3: 32-bit (the
+ * team's piece kinds). The one place graphlm calls a BLAS from C (native_team.c's BLAS pieces too). */
+void gl_sgemm(int64_t sgemm, int64_t width, int ta, int tb, int64_t m, int64_t n, int64_t k, const float *a,
+              int64_t lda, const float *b, int64_t ldb, float *c, int64_t ldc) {
+    int oa = ta ? CBLAS_T : CBLAS_NO, ob = tb ? CBLAS_T : CBLAS_NO;
+    if (width == 2)
+        ((sgemm64_fn)(intptr_t)sgemm)(CBLAS_ROW_MAJOR, oa, ob, m, n, k, 1.0f, a, lda, b, ldb, 0.0f, c, ldc);
+    else
+        ((sgemm32_fn)(intptr_t)sgemm)(CBLAS_ROW_MAJOR, oa, ob, (int32_t)m, (int32_t)n, (int32_t)k, 1.0f,
+                                      a, (int32_t)lda, b, (int32_t)ldb, 0.0f, c, (int32_t)ldc);
+}
+
+/* an attention plan's sgemm (the words P_SGEMM, P_KIND) */
 static void plan_sgemm(const int64_t *plan, int ta, int tb, int64_t m, int64_t n, int64_t k, const float *a,
                        int64_t lda, const float *b, int64_t ldb, float *c, int64_t ldc) {
-    int oa = ta ? CBLAS_T : CBLAS_NO, ob = tb ? CBLAS_T : CBLAS_NO;
-    if (plan[P_KIND] == 2)
-        ((sgemm64_fn)(intptr_t)plan[P_SGEMM])(CBLAS_ROW_MAJOR, oa, ob, m, n, k, 1.0f, a, lda, b, ldb, 0.0f, c, ldc);
-    else
-        ((sgemm32_fn)(intptr_t)plan[P_SGEMM])(CBLAS_ROW_MAJOR, oa, ob, (int32_t)m, (int32_t)n, (int32_t)k, 1.0f,
-                                              a, (int32_t)lda, b, (int32_t)ldb, 0.0f, c, (int32_t)ldc);
+    gl_sgemm(plan[P_SGEMM], plan[P_KIND], ta, tb, m, n, k, a, lda, b, ldb, c, ldc);
 }
 
 static float *plan_array(const int64_t *plan, int i) { return (float *)(intptr_t)plan[P_ARRAYS + i]; }

@@ -63,24 +63,15 @@ void gl_cached_attention(const float *q, const float *k, const float *v, const f
 #define CALL_FLOATS 4
 const int64_t gl_team_words[4] = {PIECE_WORDS, SGEMM_WORDS, CALL_INTS, CALL_FLOATS};   /* read by executors/native.py */
 
-typedef void (*sgemm64_t)(int, int, int, int64_t, int64_t, int64_t, float, const float *, int64_t,
-                          const float *, int64_t, float, float *, int64_t);
-typedef void (*sgemm32_t)(int, int, int, int32_t, int32_t, int32_t, float, const float *, int32_t,
-                          const float *, int32_t, float, float *, int32_t);
-enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };   /* CBLAS's enum values */
+void gl_sgemm(int64_t sgemm, int64_t width, int ta, int tb, int64_t m, int64_t n, int64_t k, const float *a,
+              int64_t lda, const float *b, int64_t ldb, float *c, int64_t ldc);   /* native_kernels.c */
 
 static void run_sgemm_calls(const int64_t *p) {
     const int64_t *calls = (const int64_t *)(intptr_t)p[2];
     for (int64_t i = p[3]; i < p[4]; i++) {
         const int64_t *c = calls + i * SGEMM_WORDS;
-        int ta = c[0] ? TRANS : NO_TRANS, tb = c[1] ? TRANS : NO_TRANS;
-        const float *a = (const float *)(intptr_t)c[5], *b = (const float *)(intptr_t)c[7];
-        float *out = (float *)(intptr_t)c[9];
-        if (p[0] == 2)
-            ((sgemm64_t)(intptr_t)p[1])(ROW_MAJOR, ta, tb, c[2], c[3], c[4], 1.0f, a, c[6], b, c[8], 0.0f, out, c[10]);
-        else
-            ((sgemm32_t)(intptr_t)p[1])(ROW_MAJOR, ta, tb, (int32_t)c[2], (int32_t)c[3], (int32_t)c[4], 1.0f,
-                                        a, (int32_t)c[6], b, (int32_t)c[8], 0.0f, out, (int32_t)c[10]);
+        gl_sgemm(p[1], p[0], (int)c[0], (int)c[1], c[2], c[3], c[4], (const float *)(intptr_t)c[5], c[6],
+                 (const float *)(intptr_t)c[7], c[8], (float *)(intptr_t)c[9], c[10]);
     }
 }
 

@@ -326,9 +326,8 @@ class Generator:
     """Autoregressive decoding of `model` with a KV cache (module docstring). `params` are
     shared, not copied: the programs read them from the same `state` dict as the caches, and
     the transposes ``W.T`` taken from them here (after changing a weight, make a new
-    Generator). The
-    batch size is fixed: `generate` samples one continuation, `generate_batch` `batch_size`
-    continuations of one prompt, decoded together."""
+    Generator). The batch size is fixed: `generate` samples one continuation, `generate_batch`
+    `batch_size` continuations of one prompt, decoded together."""
 
     def __init__(self, model, params: Mapping[str, np.ndarray], batch_size: int = 1,
                  executor: str = "numpy", keep: int | None = None):

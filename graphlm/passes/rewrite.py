@@ -9,9 +9,10 @@ node but leaves, which a rule must name), and the first that returns a tensor re
 node. A node no rule replaced is copied with its name, scope and backward flag, its shape and
 dtype inferred again by its op's rule where an input's changed. Nodes a replacement made
 redundant (the intermediates it absorbed) are left dead and dropped at the end, so a rule only
-builds what it replaces; so is a leaf no node reads any more (from the graph's tables too). Rules see the source graph (`Context.uses`, `Context.private`) and
-build in the new one (`Context.new`, `Context.emit`, `Context.copy`). Which forward node's VJP
-made each backward node (`Graph.forward_partner`) carries over.
+builds what it replaces; so is a leaf no node reads any more (from the graph's tables too).
+Rules see the source graph (`Context.uses`, `Context.private`) and build in the new one
+(`Context.new`, `Context.emit`, `Context.copy`). Which forward node's VJP made each backward
+node (`Graph.forward_partner`) carries over.
 """
 from __future__ import annotations
 
