@@ -11,9 +11,8 @@ that a param does not change between runs (a training step changes them all).
 Each ``W.T`` is one param of the rewritten graph however many products read it; W itself stays
 only where something else reads it (the tied embedding table). A W of more than MAX_BYTES is
 left as it is: read from memory rather than cache at every step (GPT-2 small's MLP and head), its
-rows stream best as they are (the one-row NT kernel reads four at a time; with the transposes a
-GPT-2 small decode step on 2 threads went from 12.8-13.0 to 17.4-19.3 ms at best), and a copy
-would cost its size again. The rule reads the weight's size alone, never the batch, so a row of
+rows stream best as they are (the one-row NT kernel reads four at a time; transposed, GPT-2
+small's decode was slower: docs/performance.md), and a copy would cost its size again. The rule reads the weight's size alone, never the batch, so a row of
 a batch still rounds as that row alone.
 """
 from __future__ import annotations
