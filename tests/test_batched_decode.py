@@ -26,7 +26,7 @@ pytestmark = pytest.mark.usefixtures("native")   # skipped without a C compiler 
 def small_product(a, b):
     """a @ b by the native small-product kernel (asserting that it takes the operands)."""
     out = np.full(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1]), np.nan, np.float32)
-    run = native.small_matmul_closure(a, b, out)
+    run = native.products.small_matmul_closure(a, b, out)
     assert run is not None, f"the small-product kernel did not take {a.shape} @ {b.shape}"
     run()
     return out
@@ -89,7 +89,7 @@ def test_a_batch_entrys_bits_do_not_depend_on_the_other_entries(layout, k, n):
 @pytest.mark.threads
 @pytest.mark.parametrize("threads", [2, 3])
 def test_small_products_do_not_depend_on_the_thread_count(monkeypatch, threads):
-    monkeypatch.setattr(native, "TEAM_MIN_FLOPS", 1)
+    monkeypatch.setattr(native.products, "TEAM_MIN_FLOPS", 1)
     rng = np.random.default_rng(3)
     cases = [operands(rng, 8, 192, 768, "nt"), operands(rng, 1, 32, 128, "nt", batch=(3, 6)),
              operands(rng, 4, 64, 40, "nn", batch=(3,))]
@@ -97,7 +97,7 @@ def test_small_products_do_not_depend_on_the_thread_count(monkeypatch, threads):
     numpy_executor.set_threads(threads)
     for (a, b), want in zip(cases, one):
         out = np.empty_like(want)
-        run = native.small_matmul_closure(a, b, out)
+        run = native.products.small_matmul_closure(a, b, out)
         assert len(run.pieces(threads)) >= 2   # (it is cut)
         run()
         assert out.tobytes() == want.tobytes()
@@ -110,13 +110,13 @@ def test_the_worker_team_serves_concurrent_callers_and_a_forked_child(monkeypatc
     one-thread bits and do not hang."""
     import os
     import threading
-    monkeypatch.setattr(native, "TEAM_MIN_FLOPS", 1)
+    monkeypatch.setattr(native.products, "TEAM_MIN_FLOPS", 1)
     rng = np.random.default_rng(5)
     cases = [operands(rng, 8, 192, 768, "nn"), operands(rng, 1, 768, 192, "nt")]
     want = [small_product(a, b) for a, b in cases]
     numpy_executor.set_threads(2)
     outs = [[np.empty_like(w) for w in want] for _ in range(2)]
-    runs = [[native.small_matmul_closure(a, b, out) for (a, b), out in zip(cases, row)] for row in outs]
+    runs = [[native.products.small_matmul_closure(a, b, out) for (a, b), out in zip(cases, row)] for row in outs]
     errors = []
 
     def hammer(row):
@@ -140,7 +140,7 @@ def test_the_worker_team_serves_concurrent_callers_and_a_forked_child(monkeypatc
         try:
             os.close(read)
             out = np.empty_like(want[0])
-            native.small_matmul_closure(*cases[0], out)()
+            native.products.small_matmul_closure(*cases[0], out)()
             os.write(write, out.tobytes())
         finally:
             os._exit(0)
@@ -158,10 +158,10 @@ def test_layouts_it_does_not_take_fall_back_to_numpy():
     a = rng.standard_normal((4, 8)).astype(np.float32)
     b = rng.standard_normal((8, 12)).astype(np.float32)
     out = np.empty((4, 6), np.float32)
-    assert native.small_product_layout(a, b[:, ::2], out) is None              # no unit stride
-    assert native.small_product_layout(a.astype(np.float64), b, out) is None   # not float32
-    tall = rng.standard_normal((native.SMALL_ROWS + 1, 8)).astype(np.float32)
-    assert native.small_product_layout(tall, b, np.empty((len(tall), 12), np.float32)) is None
+    assert native.products.small_product_layout(a, b[:, ::2], out) is None              # no unit stride
+    assert native.products.small_product_layout(a.astype(np.float64), b, out) is None   # not float32
+    tall = rng.standard_normal((native.products.SMALL_ROWS + 1, 8)).astype(np.float32)
+    assert native.products.small_product_layout(tall, b, np.empty((len(tall), 12), np.float32)) is None
 
 
 # -- decoding a batch --------------------------------------------------------------------------------
@@ -244,7 +244,7 @@ def test_decode_uses_the_small_product_kernel(model_and_params):
 @pytest.mark.threads
 @pytest.mark.parametrize("threads", [1, 2])
 def test_native_softmax_matches_the_reference_with_masked_keys(monkeypatch, threads):
-    monkeypatch.setattr(native, "MIN_SPLIT", 1)
+    monkeypatch.setattr(native.team, "MIN_SPLIT", 1)
     numpy_executor.set_threads(threads)
     rng = np.random.default_rng(7)
     x = (rng.standard_normal((8, 6, 1, 129)) * 5).astype(np.float32)
@@ -279,7 +279,7 @@ def test_blas_products_on_the_team_are_numpys_bits(threads):
     """A training-sized product split over the C worker team as NumPy's own cblas_sgemm calls
     gives np.matmul's bytes, for a plain, a transposed (x @ W^T) and a batched product, and the
     team really runs it (where NumPy's BLAS is an OpenBLAS the executor finds)."""
-    if native.blas_sgemm() is None:
+    if native.team.blas_sgemm() is None:
         pytest.skip("NumPy's BLAS is not an OpenBLAS with cblas_sgemm")
     rng = np.random.default_rng(6)
     cases = [(rng.standard_normal((128, 192)), rng.standard_normal((192, 768))),
@@ -289,7 +289,7 @@ def test_blas_products_on_the_team_are_numpys_bits(threads):
     for a, b in cases:
         a, b = a.astype(np.float32), b.astype(np.float32)
         out = np.empty(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1]), np.float32)
-        run = native.blas_matmul_closure(a, b, out)
+        run = native.products.blas_matmul_closure(a, b, out)
         run()
         assert run.tables.get(threads) is not None, (a.shape, b.shape)   # (it ran on the team)
         assert out.tobytes() == np.matmul(a, b).tobytes(), (a.shape, b.shape)
@@ -298,10 +298,10 @@ def test_blas_products_on_the_team_are_numpys_bits(threads):
 def test_sgemm_calls_refuse_what_numpy_would_not_hand_to_gemm():
     rng = np.random.default_rng(7)
     x = rng.standard_normal((64, 32)).astype(np.float32)
-    assert native.sgemm_calls(x, x.T, np.empty((64, 64), np.float32)) is None   # a @ a.T: NumPy's syrk
-    assert native.sgemm_calls(x[:1], x.T[:, :8], np.empty((1, 8), np.float32)) is None   # one row: gemv
-    assert native.sgemm_calls(x.astype(np.float64), x.T.astype(np.float64), np.empty((64, 64))) is None
+    assert native.products.sgemm_calls(x, x.T, np.empty((64, 64), np.float32)) is None   # a @ a.T: NumPy's syrk
+    assert native.products.sgemm_calls(x[:1], x.T[:, :8], np.empty((1, 8), np.float32)) is None   # one row: gemv
+    assert native.products.sgemm_calls(x.astype(np.float64), x.T.astype(np.float64), np.empty((64, 64))) is None
     out_t = np.empty((32, 64), np.float32).T   # an output NumPy would write transposed
-    assert native.sgemm_calls(x, x.T.copy(), out_t) is None
-    (call,) = native.sgemm_calls(x, np.ascontiguousarray(x.T), np.empty((64, 64), np.float32))
+    assert native.products.sgemm_calls(x, x.T.copy(), out_t) is None
+    (call,) = native.products.sgemm_calls(x, np.ascontiguousarray(x.T), np.empty((64, 64), np.float32))
     assert call[:5] == (0, 0, 64, 64, 32) and call[6] == 32 and call[8] == 64 and call[10] == 64

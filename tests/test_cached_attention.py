@@ -114,7 +114,7 @@ def test_kernels_read_only_the_cache_slots_in_use(executor, request):
 @pytest.mark.usefixtures("native")
 @pytest.mark.parametrize("threads", [1, 2])
 def test_native_row_bits_do_not_depend_on_the_batch_or_the_threads(monkeypatch, threads):
-    monkeypatch.setattr(native, "TEAM_MIN_FLOPS", 1)   # split even this small step over the team
+    monkeypatch.setattr(native.attention, "TEAM_MIN_FLOPS", 1)   # split even this small step over the team
     numpy_executor.set_threads(threads)
     feeds = step_feeds(8, 9, seed=4)
     batch, _ = run("native", 8, feeds)

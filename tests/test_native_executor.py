@@ -100,7 +100,7 @@ def test_random_float32_dags_match_reference(seed):
 @pytest.fixture
 def small_pieces(monkeypatch):
     """Split every native kernel over threads, however small (pieces of 64 elements or one row)."""
-    monkeypatch.setattr(native, "MIN_SPLIT", 1)
+    monkeypatch.setattr(native.team, "MIN_SPLIT", 1)
 
 
 def _threads(n):
@@ -195,7 +195,7 @@ def test_causal_attention_whole_in_c_matches_the_reference_and_any_cut(monkeypat
     from graphlm.passes import kept_values
     monkeypatch.setattr(gl.ops, "ATTENTION_QUERY_BLOCK", query_block)
     monkeypatch.setattr(kept_values, "KEEP_SCORES_PER_OUTPUT", 10)
-    monkeypatch.setattr(native, "MIN_TEAM_ATTENTION_FLOPS", 0)
+    monkeypatch.setattr(native.attention, "MIN_TEAM_ATTENTION_FLOPS", 0)
     rng = np.random.default_rng(6)
     b, h, t, d = 2, 3, 37, 8
     g = gl.Graph("attention_c")
@@ -216,7 +216,7 @@ def test_causal_attention_whole_in_c_matches_the_reference_and_any_cut(monkeypat
     close32(runs[0], want, "attention in C", rtol=1e-5, atol=1e-6)
     for other in runs[1:]:
         assert all(a.tobytes() == c.tobytes() for a, c in zip(runs[0], other))
-    monkeypatch.setattr(native, "blas_sgemm", lambda: None)
+    monkeypatch.setattr(native.attention, "blas_sgemm", lambda: None)
     fallback = NATIVE.compile(g, outputs, poison=True)
     close32(fallback.run(feeds), runs[0], "numpy kernel with C steps", rtol=1e-5, atol=1e-6)
     assert not any(hasattr(step, "tables") for n, step in zip(fallback._step_nodes, fallback._steps) if "attention" in n.op)
@@ -269,7 +269,7 @@ def _adamw_run(executor, shapes, steps=3):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_adamw_is_bit_identical_to_numpy(threads, monkeypatch):
     shapes = [(6, 5), (5,), (5, 5), (5,), (5, 6)]
-    monkeypatch.setattr(native, "SMALL_ROWS", 0)   # the products in BLAS, as the numpy executor's
+    monkeypatch.setattr(native.products, "SMALL_ROWS", 0)   # the products in BLAS, as the numpy executor's
     _threads(threads)
     la, sa, prog = _adamw_run("native", shapes)
     lb, sb, _ = _adamw_run("numpy", shapes)
@@ -280,9 +280,9 @@ def test_adamw_is_bit_identical_to_numpy(threads, monkeypatch):
 
 
 @pytest.mark.threads
-@pytest.mark.skipif(not native.CALLS_BY_CLASS, reason="kernel call pieces need System V x86-64 or AAPCS64")
+@pytest.mark.skipif(not native.team.CALLS_BY_CLASS, reason="kernel call pieces need System V x86-64 or AAPCS64")
 def test_kernel_calls_run_on_the_team_with_the_bits_of_one_call():
-    """A kernel call as team pieces (native_team.c, kind 5) finds every argument where its C type
+    """A kernel call as team pieces (team.c, kind 5) finds every argument where its C type
     puts it: layer norm's ten (three integer words past x86-64's six registers, then a float),
     the GELU backward's four floats, the dropout draw's 64-bit threshold past 2^63 and its run's
     stream start read through an address. Three pieces give the bits of one call."""
@@ -297,9 +297,9 @@ def test_kernel_calls_run_on_the_team_with_the_bits_of_one_call():
         for o in outputs:
             o[...] = np.nan
         cuts = [(0, 5), (5, units // 2), (units // 2, units)]
-        pieces = [native.call_piece(make(lo, hi)) for lo, hi in cuts]
+        pieces = [native.team.call_piece(make(lo, hi)) for lo, hi in cuts]
         assert None not in pieces and {p[0] for p in pieces} == {5}
-        table = native.team_table(pieces)
+        table = native.team.team_table(pieces)
         lib.gl_team_run(ptr(table), len(table))
         return all(a.tobytes() == b.tobytes() for a, b in zip(whole, outputs))
 
@@ -313,18 +313,18 @@ def test_kernel_calls_run_on_the_team_with_the_bits_of_one_call():
     n = rows * cols
     g, out = rng.standard_normal(n).astype(np.float32), np.empty(n, np.float32)
     gelu = lambda lo, hi: functools.partial(lib.gl_gelu_tanh_backward, at(x, 1, lo), at(g, 1, lo), None, at(out, 1, lo),
-                                            hi - lo, native.GELU_A, native.GELU_B, native.GELU_DA, native.GELU_DB)
+                                            hi - lo, native.kernels.GELU_A, native.kernels.GELU_B, native.kernels.GELU_DA, native.kernels.GELU_DB)
     assert same_bits(gelu, [out], n)
     mask, base = np.empty(n, np.bool_), np.array([0x9E3779B97F4A7C15], np.uint64)
-    threshold = native.keep_threshold(0.9)
+    threshold = native.kernels.keep_threshold(0.9)
     assert threshold >= 1 << 63
     draw = lambda lo, hi: functools.partial(lib.gl_dropout_draw, ptr(mask), ptr(x), ptr(out), lo, hi, ptr(base),
                                             threshold, 10.0)
     assert same_bits(draw, [mask, out], n) and 0.05 < mask.mean() < 0.15
     # what cannot be a piece: another argument type (AdamW's int, 9 floats), too many words, no partial
-    assert native.call_piece(functools.partial(lib.gl_adamw, *[0] * 15)) is None
-    assert native.call_piece(functools.partial(lib.gl_cached_attention, *[0] * 18)) is None
-    assert native.call_piece(lambda: None) is None
+    assert native.team.call_piece(functools.partial(lib.gl_adamw, *[0] * 15)) is None
+    assert native.team.call_piece(functools.partial(lib.gl_cached_attention, *[0] * 18)) is None
+    assert native.team.call_piece(lambda: None) is None
 
 
 @pytest.mark.threads
@@ -332,13 +332,13 @@ def test_a_training_steps_row_kernels_run_on_the_team(monkeypatch, small_pieces)
     """On 2 threads the split C kernels of a training step become team pieces (none of them
     is left to the Python pool), and the step gives the bits of 1 thread."""
     from graphlm.models import GPTConfig
-    made, call_piece = [], native.call_piece
+    made, call_piece = [], native.team.call_piece
 
     def recording(part):
         piece = call_piece(part)
         made.append((getattr(getattr(part, "func", None), "__name__", None), piece is not None))
         return piece
-    monkeypatch.setattr(native, "call_piece", recording)
+    monkeypatch.setattr(native.team, "call_piece", recording)
     cfg = GPTConfig(vocab_size=256, context_length=64, channels=64, head_count=2, layer_count=1, dropout=0.1)
     g, outputs, feeds, params, _ = gpt_step(8, cfg)
     feeds = {**feeds, "dropout_key": np.asarray(3, np.int64)}
@@ -442,11 +442,11 @@ def test_bad_token_id_fails_clearly_and_leaves_state_alone():
 def fresh_build(monkeypatch, tmp_path):
     """A new cache folder and no loaded library (restored afterwards)."""
     monkeypatch.setenv("GRAPHLM_CACHE_DIR", str(tmp_path / "cache"))
-    saved = dict(native._library)
-    native._library.clear()
+    saved = dict(native.build._library)
+    native.build._library.clear()
     yield tmp_path / "cache"
-    native._library.clear()
-    native._library.update(saved)
+    native.build._library.clear()
+    native.build._library.update(saved)
 
 
 def test_the_library_is_built_once_into_the_cache_and_reused(fresh_build, monkeypatch):
@@ -455,15 +455,15 @@ def test_the_library_is_built_once_into_the_cache_and_reused(fresh_build, monkey
     record = [built[0].with_name(built[0].name + ".json")] if built else []   # its size + sha256
     assert len(built) == 1 and not [p for p in fresh_build.iterdir() if p not in built + record]
     assert isinstance(lib, ctypes.CDLL)
-    native._library.clear()
-    monkeypatch.setattr(native, "_compile", lambda *a: pytest.fail("rebuilt a cached library"))
+    native.build._library.clear()
+    monkeypatch.setattr(native.build, "_compile", lambda *a: pytest.fail("rebuilt a cached library"))
     native.library()
 
 
 def test_auto_picks_native_where_it_builds_and_numpy_where_not(fresh_build, monkeypatch):
     from graphlm.backends import default_executor, get_executor
     assert default_executor() == "native" and get_executor("auto") is NATIVE
-    native._library.clear()
+    native.build._library.clear()
     monkeypatch.setenv("CC", "no-such-cc-graphlm")
     assert default_executor() == "numpy" and get_executor("auto") is NUMPY
 

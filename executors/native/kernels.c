@@ -1,10 +1,10 @@
-/* graphlm's native kernels: the float32 loops behind executors/native.py.
+/* graphlm's native kernels: the float32 loops behind executors/native/.
  *
  * Each function is one fused pass (or one pass per row) over contiguous float32 memory that the
  * executor planned: no allocation, no threads (the executor cuts the work into ranges and runs
  * them on its own threads; ctypes releases the GIL for the call), no global state.
  *
- * Compiled on first use by executors/native.py with the machine's C compiler:
+ * Compiled on first use by executors/native/build.py with the machine's C compiler:
  *     cc -O3 -march=native -ffp-contract=off -fno-math-errno -fPIC -shared
  * -ffp-contract=off keeps every `a*b + c` written here as two roundings, so the kernels that do
  * not call exp_f32 or sum a row (dropout, AdamW, the attention gradient's ds) compute exactly
@@ -258,9 +258,9 @@ void gl_softmax_ds_block(float *s, const float *e, const float *dd, int64_t nmat
  * matrices [m0, m1) with the products as cblas_sgemm calls of the BLAS NumPy uses (its address in
  * the plan), one matrix after the other, each computed the same way whatever the range or thread.
  *
- * plan (int64 words, built once per node by executors/native.py): t, d, M (matrices of the node),
+ * plan (int64 words, built once per node by executors/native/attention.py): t, d, M (matrices of the node),
  * nb (query blocks), the sgemm's address and integer width (2: 64-bit, 3: 32-bit, as
- * native_team.c's piece kinds), the row strides (floats) of q, k, v and g, the address of a
+ * team.c's piece kinds), the row strides (floats) of q, k, v and g, the address of a
  * table of 4 element offsets per matrix (of q, k, v, g), the addresses of the node's arrays
  * (PLAN_ARRAYS words, in the order each kernel names), then the nb + 1 query block bounds.
  * Arrays other than q, k, v and g hold their matrices contiguously, matrix after matrix. Block b
@@ -268,7 +268,7 @@ void gl_softmax_ds_block(float *s, const float *e, const float *dd, int64_t nmat
  * before b) + m * (r1 - r0) * r1 (graphlm.ops.causal_attention_keep_layout). */
 enum { P_T, P_D, P_M, P_NB, P_SGEMM, P_KIND, P_LD, P_OFFSETS = P_LD + 4, P_ARRAYS, PLAN_ARRAYS = 12,
        P_BOUNDS = P_ARRAYS + PLAN_ARRAYS };
-const int64_t gl_attention_plan_arrays = PLAN_ARRAYS;   /* read by executors/native.py */
+const int64_t gl_attention_plan_arrays = PLAN_ARRAYS;   /* read by executors/native/attention.py */
 enum { CBLAS_ROW_MAJOR = 101, CBLAS_NO = 111, CBLAS_T = 112 };   /* CBLAS's enum values */
 typedef void (*sgemm64_fn)(int, int, int, int64_t, int64_t, int64_t, float, const float *, int64_t,
                            const float *, int64_t, float, float *, int64_t);
@@ -277,7 +277,7 @@ typedef void (*sgemm32_fn)(int, int, int, int32_t, int32_t, int32_t, float, cons
 
 /* c = op(a) @ op(b) by the cblas_sgemm at `sgemm` (op(a) m x k, op(b) k x n; row-major, alpha 1,
  * beta 0; ta / tb: that operand transposed); `width` 2: it takes 64-bit integers, 3: 32-bit (the
- * team's piece kinds). The one place graphlm calls a BLAS from C (native_team.c's BLAS pieces too). */
+ * team's piece kinds). The one place graphlm calls a BLAS from C (team.c's BLAS pieces too). */
 void gl_sgemm(int64_t sgemm, int64_t width, int ta, int tb, int64_t m, int64_t n, int64_t k, const float *a,
               int64_t lda, const float *b, int64_t ldb, float *c, int64_t ldc) {
     int oa = ta ? CBLAS_T : CBLAS_NO, ob = tb ? CBLAS_T : CBLAS_NO;
@@ -423,7 +423,7 @@ void gl_adamw(float *p, const float *grad, float *m, float *v, int64_t n, float 
     }
 }
 
-/* ---- small products: matmuls of few rows (executors/native.py, "small products") --------- */
+/* ---- small products: matmuls of few rows (executors/native/products.py) --------- */
 
 /* out[e] = a[e] @ b[e] for the batch entries e in [e0, e1), over the columns [j0, j1) of each.
  * Entry e's operands start at a + offsets[3e], b + offsets[3e + 1], out + offsets[3e + 2]

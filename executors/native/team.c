@@ -1,6 +1,6 @@
 /* graphlm's native worker team: C threads that run the pieces of one product beside the calling
- * thread (executors/native.py: "small products" run native_kernels.c's kernels, "BLAS products"
- * the cblas_sgemm of the BLAS NumPy uses).
+ * thread (executors/native/products.py: "small products" run kernels.c's kernels, "BLAS
+ * products" the cblas_sgemm of the BLAS NumPy uses).
  *
  * A decode step's products are 20-300 KFLOP each, a few microseconds, and handing a piece of a
  * training step's BLAS product to the numpy executor's pool (Python threads that pass the GIL
@@ -36,7 +36,7 @@ void gl_cached_attention(const float *q, const float *k, const float *v, const f
                          int64_t r0, int64_t r1, int64_t t, int64_t d, int64_t ldq, int64_t ldk,
                          int64_t ldv, int64_t ldo, int64_t ldc, float scale);
 
-/* one piece: PIECE_WORDS int64 words (executors/native.py builds the table).
+/* one piece: PIECE_WORDS int64 words (executors/native/team.py builds the table).
  *   kind 0 / 1: gl_matmul_small / gl_matmul_small_nt:
  *       kind, a, b, out, offsets (addresses), e0, e1, m, k, lda, ldb, ldo, j0, j1
  *   kind 2 / 3: BLAS products, calls [c0, c1) of a table of cblas_sgemm calls (kind 2: the BLAS
@@ -55,16 +55,16 @@ void gl_cached_attention(const float *q, const float *k, const float *v, const f
  *       AAPCS64) pass integer-class and float arguments in two separate sequences (registers,
  *       then the stack for integers past the registers, in order), so the kernel finds each of
  *       its arguments where its own type would have put it and ignores the extra ones.
- *       executors/native.py (`call_piece`) builds such pieces only on those platforms and only
+ *       executors/native/team.py (`call_piece`) builds such pieces only on those platforms and only
  *       from a kernel's declared argument types. */
 #define PIECE_WORDS 19
 #define SGEMM_WORDS 11
 #define CALL_INTS 12
 #define CALL_FLOATS 4
-const int64_t gl_team_words[4] = {PIECE_WORDS, SGEMM_WORDS, CALL_INTS, CALL_FLOATS};   /* read by executors/native.py */
+const int64_t gl_team_words[4] = {PIECE_WORDS, SGEMM_WORDS, CALL_INTS, CALL_FLOATS};   /* read by executors/native/team.py */
 
 void gl_sgemm(int64_t sgemm, int64_t width, int ta, int tb, int64_t m, int64_t n, int64_t k, const float *a,
-              int64_t lda, const float *b, int64_t ldb, float *c, int64_t ldc);   /* native_kernels.c */
+              int64_t lda, const float *b, int64_t ldb, float *c, int64_t ldc);   /* kernels.c */
 
 static void run_sgemm_calls(const int64_t *p) {
     const int64_t *calls = (const int64_t *)(intptr_t)p[2];

@@ -1,0 +1,245 @@
+"""The native executor's row kernels in C (kernels.c): one fused pass per row or element range.
+
+    exp, tanh GELU and its backward          (a vectorised float32 exp, within 2 ulp)
+    softmax over the last axis               (rowmax, exp, rowsum and divide in one pass per row)
+    layer norm and its backward              (one pass per row; row sums in 16 partial sums)
+    dropout                                  (the mask drawn and applied in one pass)
+    AdamW                                    (one pass per parameter)
+
+On n threads each runs as n calls on the C worker team (`split_calls`); AdamW's parameters are
+shared out by size on the Python pool (one C call per parameter).
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from graphlm.ops import GELU_A, GELU_B, GELU_DA, GELU_DB, norm_parts
+from graphlm.random import stream_base
+
+from ..numpy import get_threads
+from ..numpy.dropout import keep_threshold
+from ..numpy.norms import layer_norm_keep_views
+from ..numpy.optimizer import adamw_schedule
+from ..numpy.pool import parallel
+from ..numpy.tiling import size_groups
+from .build import library
+from .table import native_kernel
+from .team import native_arrays, ptr, ptr_at, split_calls
+
+
+
+@native_kernel("exp", rounds_own_way=True)
+def _exp(node, out, ins, scratch):
+    (x,) = ins
+    if node.dtype != np.float32 or x.shape != out.shape or not native_arrays(x, out):
+        return None
+    fn = library().gl_exp
+    return split_calls(lambda lo, hi: functools.partial(fn, ptr_at(x, 1, lo), ptr_at(out, 1, lo), hi - lo),
+                        out.size, 1, (x, out))
+
+
+@native_kernel("softmax", rounds_own_way=True)
+def _softmax(node, out, ins, scratch):
+    (x,) = ins
+    if node.dtype != np.float32 or node.attrs["axis"] != node.ndim - 1 or x.shape != out.shape \
+            or not native_arrays(x, out) or node.size == 0:
+        return None
+    fn, cols = library().gl_softmax_rows, node.shape[-1]
+    return split_calls(lambda lo, hi: functools.partial(fn, ptr_at(x, cols, lo), ptr_at(out, cols, lo), hi - lo, cols),
+                        node.size // cols, cols, (x, out))
+
+
+def _gelu_closure(node, x, out, keep):
+    fn = library().gl_gelu_tanh
+    return split_calls(lambda lo, hi: functools.partial(fn, ptr_at(x, 1, lo), ptr_at(out, 1, lo), ptr_at(keep, 1, lo),
+                                                         hi - lo, GELU_A, GELU_B), out.size, 1, (x, out, keep))
+
+
+@native_kernel("gelu", rounds_own_way=lambda node: node.attrs["approximate"] == "tanh")
+def _gelu(node, out, ins, scratch):
+    (x,) = ins
+    if node.attrs["approximate"] != "tanh" or node.dtype != np.float32 or not native_arrays(x, out):
+        return None
+    return _gelu_closure(node, x, out, None)
+
+
+@native_kernel("gelu_sigmoid", rounds_own_way=True)
+def _gelu_sigmoid(node, out, ins, scratch):
+    (x,) = ins
+    if node.dtype != np.float32 or not native_arrays(x, out):
+        return None
+    fn = library().gl_gelu_tanh_sigmoid
+    return split_calls(lambda lo, hi: functools.partial(fn, ptr_at(x, 1, lo), ptr_at(out, 1, lo), hi - lo,
+                                                         GELU_A, GELU_B), out.size, 1, (x, out))
+
+
+def _gelu_backward_closure(x, g, s, out):
+    fn = library().gl_gelu_tanh_backward
+    return split_calls(lambda lo, hi: functools.partial(
+        fn, ptr_at(x, 1, lo), ptr_at(g, 1, lo), ptr_at(s, 1, lo), ptr_at(out, 1, lo), hi - lo,
+        GELU_A, GELU_B, GELU_DA, GELU_DB), out.size, 1, (x, g, s, out))
+
+
+@native_kernel("gelu_backward", rounds_own_way=lambda node: node.attrs["approximate"] == "tanh")
+def _gelu_backward(node, out, ins, scratch):
+    x, g = ins
+    if node.attrs["approximate"] != "tanh" or node.dtype != np.float32 or not native_arrays(x, g, out):
+        return None
+    return _gelu_backward_closure(x, g, None, out)
+
+
+@native_kernel("gelu_backward_sigmoid", rounds_own_way=True)
+def _gelu_backward_sigmoid(node, out, ins, scratch):
+    x, g, s = ins
+    if node.dtype != np.float32 or not native_arrays(x, g, s, out):
+        return None
+    return _gelu_backward_closure(x, g, s, out)
+
+
+# == layer norm ===========================================================================================
+
+def _norm_ok(node, x, w, b, *arrays) -> bool:
+    cols = node.shape[-1]
+    return (node.dtype == np.float32 and x.shape == node.shape
+            and all(p is None or p.shape == (cols,) for p in (w, b)) and native_arrays(x, w, b, *arrays))
+
+
+def _layer_norm_closure(node, x, w, b, out, xc, sv, xhat, eps=None):
+    """`node`: a tensor of the normalised shape (the layer norm, or layer_norm_keep's input)."""
+    fn, cols = library().gl_layer_norm, node.shape[-1]
+    eps = float(np.float32(node.attrs["eps"] if eps is None else eps))
+    return split_calls(lambda lo, hi: functools.partial(
+        fn, ptr_at(x, cols, lo), ptr(w), ptr(b), ptr_at(out, cols, lo), ptr_at(xc, cols, lo), ptr_at(sv, 1, lo),
+        ptr_at(xhat, cols, lo), hi - lo, cols, eps), node.size // cols, cols, (x, w, b, out, xc, sv, xhat))
+
+
+@native_kernel("layer_norm", rounds_own_way=True)
+def _layer_norm(node, out, ins, scratch):
+    x, w, b, _ = norm_parts(ins, node.attrs)
+    if not _norm_ok(node, x, w, b, out):
+        return None
+    return _layer_norm_closure(node, x, w, b, out, None, None, None)
+
+
+@native_kernel("layer_norm_keep", rounds_own_way=True)
+def _layer_norm_keep(node, out, ins, scratch):
+    x, w, b, _ = norm_parts(ins, node.attrs)
+    parts = layer_norm_keep_views(out, node)
+    y, xc, sv, xhat = parts["y"], parts["xc"], parts["sv"], parts.get("xhat")
+    if node.dtype != np.float32 or not _norm_ok(node.inputs[0], x, w, b, y, xc, sv, xhat):
+        return None
+    return _layer_norm_closure(node.inputs[0], x, w, b, y, xc, sv, xhat, node.attrs["eps"])
+
+
+def _layer_norm_backward_closure(node, xc, sv, g, w, out):
+    fn, cols = library().gl_layer_norm_backward, node.shape[-1]
+    eps = float(np.float32(node.attrs["eps"]))
+    return split_calls(lambda lo, hi: functools.partial(
+        fn, ptr_at(xc, cols, lo), ptr_at(sv, 1, lo), ptr_at(g, cols, lo), ptr(w), ptr_at(out, cols, lo),
+        hi - lo, cols, eps), node.size // cols, cols, (xc, sv, g, w, out))
+
+
+@native_kernel("layer_norm_backward_kept", rounds_own_way=True)
+def _layer_norm_backward_kept(node, out, ins, scratch):
+    xc, sv, *rest = ins
+    w, g = (rest[0] if node.attrs.get("has_weight") else None), rest[-1]
+    if not _norm_ok(node, g, w, None, out, xc, sv):
+        return None
+    return _layer_norm_backward_closure(node, xc, sv, g, w, out)
+
+
+@native_kernel("layer_norm_backward", rounds_own_way=True)
+def _layer_norm_backward(node, out, ins, scratch):
+    x, w, _, (g,) = norm_parts(ins, node.attrs)
+    if not _norm_ok(node, x, w, None, g, out) or g.shape != node.shape:
+        return None
+    return _layer_norm_backward_closure(node, x, None, g, w, out)
+
+
+# == dropout ================================================================================================
+
+def _draw_closure(node, key, mask, x, out):
+    """Draw the keep mask of `node` (dropout or dropout_keep) into `mask` in C and, when x is
+    given, out = (x * mask) * scale in the same pass; None where the arrays are not native."""
+    a = node.attrs
+    if mask.dtype != np.bool_ or not mask.flags.c_contiguous or (x is not None and (
+            node.dtype != np.float32 or x.shape != out.shape or not native_arrays(x, out))):
+        return None
+    lib, threshold = library(), keep_threshold(a["p"])
+    scale = float(np.float32(1.0 / (1.0 - a["p"])))
+    base = np.zeros(1, np.uint64)   # this run's stream start, read by the pieces through its address
+    pointers = (ptr(mask), ptr(x), ptr(out))
+    draw = split_calls(lambda lo, hi: functools.partial(lib.gl_dropout_draw, *pointers, lo, hi, ptr(base),
+                                                         threshold, scale),
+                        mask.size, 1, (x, mask, out, base))
+
+    def run():
+        base[0] = stream_base(int(key), a["stream"])
+        draw()
+    return run
+
+
+@native_kernel("dropout_keep")
+def _dropout_keep(node, out, ins, scratch):
+    return _draw_closure(node, ins[0], out, None, None)
+
+
+@native_kernel("dropout_apply")
+def _dropout_apply(node, out, ins, scratch):
+    x, mask = ins
+    if (node.dtype != np.float32 or x.shape != out.shape or not native_arrays(x, out)
+            or mask.dtype != np.bool_ or not mask.flags.c_contiguous):
+        return None
+    lib, scale = library(), float(np.float32(1.0 / (1.0 - node.attrs["p"])))
+    return split_calls(lambda lo, hi: functools.partial(
+        lib.gl_dropout_apply, ptr_at(x, 1, lo), ptr_at(mask, 1, lo), ptr_at(out, 1, lo), hi - lo, scale),
+        out.size, 1, (x, mask, out))
+
+
+@native_kernel("dropout")
+def _dropout(node, out, ins, scratch):
+    x, key = ins
+    return _draw_closure(node, key, scratch[0], x, out)
+
+
+# == AdamW ===================================================================================================
+
+@native_kernel("adamw_update")
+def _adamw_update(node, out, ins, scratch):
+    lr_a, step_a, coef_a = ins[:3]
+    a = node.attrs
+    f32 = lambda x: float(np.float32(x))   # (each constant rounded to float32 as the numpy kernel's)
+    moments = (f32(a["beta1"]), f32(1.0 - a["beta1"]), f32(a["beta2"]), f32(1.0 - a["beta2"]))
+    params = []   # (pointers, size, weight decay) per parameter, bound once
+    for k, wd in enumerate(a["weight_decay"]):
+        p, grad, m, v = ins[3 + 4 * k: 7 + 4 * k]
+        if not native_arrays(p, grad, m, v) or not (p.shape == grad.shape == m.shape == v.shape):
+            return None
+        params.append(((ptr(p), ptr(grad), ptr(m), ptr(v)), p.size, wd))
+    fn, eps = library().gl_adamw, f32(a["eps"])
+    consts = {}   # weight decay -> this run's constants, read by the pieces
+
+    def update(part):
+        for pointers, size, wd in part:
+            coef, decay, step_size, bc2 = consts[wd]
+            fn(*pointers, size, coef, 1 if wd else 0, decay, *moments, bc2, eps, step_size)
+
+    groups: dict[int, list] = {}
+
+    def run():
+        lr, step_size, bc2_sqrt = adamw_schedule(node, lr_a, step_a)
+        coef, step_size, bc2_sqrt = f32(coef_a), f32(step_size), f32(bc2_sqrt)
+        for wd in set(a["weight_decay"]):
+            consts[wd] = (coef, f32(1.0 - lr * wd), step_size, bc2_sqrt)
+        n = get_threads()
+        if n == 1 or len(params) < 2:
+            update(params)
+        else:
+            if n not in groups:
+                groups[n] = [params[lo:hi] for lo, hi in size_groups([size for _, size, _ in params], n)]
+            parallel([functools.partial(update, part) for part in groups[n]])
+        out[...] = 0.0
+    run.arrays = ins   # (the raw pointers above point into these)
+    return run

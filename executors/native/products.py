@@ -1,0 +1,183 @@
+"""The native executor's matmuls: small products in C, and BLAS products cut over the C team.
+
+Small products. BLAS takes other paths for a product of 1 row (GEMV) and of 8 (small-m GEMM,
+at a third of the core's rate), so a batch-8 decode step cost 2-3x what it could and its rows
+rounded unlike batch 1's. In C (gl_matmul_small, kernels.c "small products") every output
+element is one fixed sequence of fused multiply-adds that depends on k alone: a row of a batch
+is the bits of that row computed alone, whatever the blocking, the column cut or the thread. On
+n threads they run as n pieces on the C worker team, which takes a piece in a fraction of a
+microsecond: a decode step's products are a few microseconds each, less than the numpy pool's
+Python threads take to hand one over.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from ..numpy.matmul import matmul_closure, matmul_parts, matmul_sum_closure, probe_like, same_bits, strided_empty
+from ..numpy.tiling import even_cuts
+from .build import library
+from .table import native_kernel
+from .team import TEAM_MIN_FLOPS, blas_sgemm, entry_offsets, ptr, team_closure, team_table, team_words
+
+
+# == small products: matmuls of few rows (decoding) ==========================================================
+
+SMALL_ROWS = 16             # a matmul of at most this many rows per product runs in C (gl_matmul_small)
+SMALL_COLUMN_QUANTUM = 32   # a column cut falls on a multiple of this (the C kernel's widest block)
+
+
+def small_product_layout(a, b, out):
+    """How gl_matmul_small (or _nt) takes ``a @ b -> out``: (C function name, lda, ldb, ldo,
+    offsets [entries, 3]), or None where it does not (not float32, more than SMALL_ROWS rows,
+    empty, or rows not contiguous: b's rows (NN) or columns (NT, a transposed view) must be)."""
+    m, k, n = out.shape[-2], a.shape[-1], out.shape[-1]
+    if (out.dtype != np.float32 or a.dtype != np.float32 or b.dtype != np.float32 or m > SMALL_ROWS
+            or out.size == 0 or a.ndim < 2 or b.ndim < 2):
+        return None
+    f = 4   # float32's itemsize
+    if not (a.strides[-1] == f or k <= 1) or out.strides[-1] != f or any(x.strides[-2] % f for x in (a, b, out)):
+        return None
+    if b.strides[-1] == f or n == 1 or k == 0:
+        name, ldb = "gl_matmul_small", b.strides[-2] // f
+    elif b.strides[-2] == f and b.strides[-1] % f == 0:
+        name, ldb = "gl_matmul_small_nt", b.strides[-1] // f
+    else:
+        return None
+    batch = out.shape[:-2]
+    parts = [entry_offsets(x, batch) for x in (a, b, out)]
+    if any(p is None for p in parts):
+        return None
+    return name, a.strides[-2] // f, ldb, out.strides[-2] // f, np.ascontiguousarray(np.stack(parts, axis=1))
+
+
+def small_matmul_closure(a, b, out):
+    """``a @ b -> out`` by the C kernel for products of few rows, or None (small_product_layout).
+    Every element is computed the same way whatever the rows around it or the thread (see
+    kernels.c), so the pieces of a split (batch entries or column ranges) are exact. On
+    n threads a product of at least TEAM_MIN_FLOPS runs as n pieces on the C worker team
+    (team.c: a piece is handed over in a fraction of a microsecond, where the Python pool
+    costs tens), one table of pieces built per n."""
+    layout = small_product_layout(a, b, out)
+    if layout is None:
+        return None
+    name, lda, ldb, ldo, offsets = layout
+    fn = getattr(library(), name)
+    m, k, n, entries = out.shape[-2], a.shape[-1], out.shape[-1], len(offsets)
+    pointers = (ptr(a), ptr(b), ptr(out), ptr(offsets))
+    whole = functools.partial(fn, *pointers, 0, entries, m, k, lda, ldb, ldo, 0, n)
+    kind = 1 if name == "gl_matmul_small_nt" else 0
+
+    def pieces(threads):
+        """The cuts [(e0, e1, j0, j1), ...] on `threads` threads ([] where it runs whole)."""
+        if threads < 2 or 2 * entries * m * k * n < TEAM_MIN_FLOPS:
+            return []
+        by_entry, by_column = even_cuts(entries, threads), even_cuts(n, threads, SMALL_COLUMN_QUANTUM)
+        if max(e - s for s, e in by_entry) / entries <= max(e - s for s, e in by_column) / n:
+            cuts = [(e0, e1, 0, n) for e0, e1 in by_entry]     # the more even cut (entries on a tie)
+        else:
+            cuts = [(0, entries, j0, j1) for j0, j1 in by_column]
+        return cuts if len(cuts) > 1 else []
+
+    def tables_for(threads):
+        cuts = pieces(threads)
+        return (team_table([(kind, *pointers, e0, e1, m, k, lda, ldb, ldo, j0, j1)
+                            for e0, e1, j0, j1 in cuts]),) if cuts else None
+    run = team_closure(whole, tables_for)
+    run.arrays = (a, b, out, offsets)   # (the raw pointers above point into these)
+    run.small_product, run.pieces = True, pieces   # (for tools and tests)
+    return run
+
+
+# == BLAS products on the team (a training step's products on n threads) ==================================
+# The numpy executor cuts a large product into pieces that round as the whole (matmul_parts) and
+# runs them on its Python pool, whose hand-over of the GIL cost 50-100 us a piece here. In this
+# executor the same pieces run on the C worker team as the very cblas_sgemm calls NumPy's matmul
+# makes for them, checked once per product against np.matmul on random operands of its shapes and
+# strides (a BLAS other than the one NumPy calls, or a call NumPy would make another way, shows
+# there). Where the check fails or no OpenBLAS is loaded, the pieces run on the Python pool.
+
+
+def _blas_operand(x) -> tuple[int, int] | None:
+    """(transposed, leading dimension) of a 2-D float32 view as NumPy's matmul hands it to a
+    row-major cblas_sgemm (not transposed where it can be), or None where it cannot."""
+    (r, c), (s0, s1), f = x.shape, x.strides, x.itemsize
+    if s1 == f and s0 % f == 0 and s0 // f >= max(1, c):
+        return 0, s0 // f
+    if s0 == f and s1 % f == 0 and s1 // f >= max(1, r):
+        return 1, s1 // f
+    return None
+
+
+def sgemm_calls(a, b, out) -> list[tuple] | None:
+    """The cblas_sgemm calls [(transa, transb, m, n, k, a, lda, b, ldb, c, ldc), ...] that compute
+    ``a @ b -> out`` (a batch entry one call each), or None where it is not made of plain float32
+    GEMMs (a vector, an output NumPy would write transposed, a @ a.T, which NumPy hands to syrk)."""
+    if out.dtype != np.float32 or a.dtype != np.float32 or b.dtype != np.float32 or min(a.ndim, b.ndim) < 2:
+        return None
+    batch = out.shape[:-2]
+    a, b = (np.broadcast_to(x, batch + x.shape[-2:]) for x in (a, b))
+    calls = []
+    for e in np.ndindex(*batch):
+        ae, be, oe = a[e], b[e], out[e]
+        m, k, n = oe.shape[0], ae.shape[1], oe.shape[1]
+        ta, tb, to = _blas_operand(ae), _blas_operand(be), _blas_operand(oe)
+        if None in (ta, tb, to) or to[0] or min(m, n, k) < 2 or ptr(ae) == ptr(be):
+            return None
+        calls.append((ta[0], tb[0], m, n, k, ptr(ae), ta[1], ptr(be), tb[1], ptr(oe), to[1]))
+    return calls
+
+
+def _sgemm_tables(calls_per_piece, sgemm) -> tuple[np.ndarray, np.ndarray]:
+    """(pieces, calls) tables for gl_team_run: piece i makes the calls calls_per_piece[i]."""
+    fn, kind = sgemm
+    calls = np.array([c for piece in calls_per_piece for c in piece], np.int64).reshape(-1, team_words()[1])
+    bounds = np.cumsum([0] + [len(piece) for piece in calls_per_piece])
+    return team_table([(kind, fn, calls.ctypes.data, c0, c1) for c0, c1 in zip(bounds[:-1], bounds[1:])]), calls
+
+
+def blas_team_tables(a, b, out, threads, sgemm):
+    """(pieces, calls) running ``a @ b -> out`` on `threads` threads of the team, or None where
+    the numpy executor's cut (matmul_parts) is none or its calls do not give np.matmul's bytes."""
+    parts = matmul_parts(a, b, out, threads)
+    calls = [sgemm_calls(*part) for part in parts]
+    if len(parts) < 2 or any(c is None for c in calls) or any(st < 0 for x in (a, b, out) for st in x.strides):
+        return None
+    # the check: the same calls moved onto random operands of the same shapes and strides
+    rng = np.random.default_rng(0)
+    pa, pb, got, want = probe_like(a, rng), probe_like(b, rng), strided_empty(out)[0], strided_empty(out)[0]
+    np.matmul(pa, pb, want)
+    moves = [(ptr(a), a.nbytes, ptr(pa)), (ptr(b), b.nbytes, ptr(pb)), (ptr(out), out.nbytes, ptr(got))]
+
+    def moved(address):
+        for lo, size, to in moves:
+            if lo <= address < lo + size:
+                return address - lo + to
+        raise ValueError("a piece's operand outside its product")
+    probe = [[c[:5] + (moved(c[5]), c[6], moved(c[7]), c[8], moved(c[9]), c[10]) for c in piece] for piece in calls]
+    table, _keep = _sgemm_tables(probe, sgemm)
+    library().gl_team_run(table.ctypes.data, len(table))
+    return _sgemm_tables(calls, sgemm) if same_bits(got, want) else None
+
+
+def blas_matmul_closure(a, b, out):
+    """The numpy executor's matmul_closure (np.matmul, split over threads when large), with its
+    pieces on n threads run by the C worker team (section comment above)."""
+    base = matmul_closure(a, b, out)
+    whole, sgemm = getattr(base, "whole", None), blas_sgemm()
+    if whole is None or sgemm is None:   # never split, or no OpenBLAS: as the numpy executor
+        return base
+    run = team_closure(whole, lambda threads: blas_team_tables(a, b, out, threads, sgemm), base)
+    run.arrays = (a, b, out)   # (the tables' addresses point into these)
+    return run
+
+
+@native_kernel("matmul", rounds_own_way=lambda node: node.shape[-2] <= SMALL_ROWS)
+def _matmul(node, out, ins, scratch):
+    return small_matmul_closure(ins[0], ins[1], out) or blas_matmul_closure(ins[0], ins[1], out)
+
+
+@native_kernel("matmul_sum")
+def _matmul_sum(node, out, ins, scratch):
+    return matmul_sum_closure(node, out, ins, blas_matmul_closure)
