@@ -126,6 +126,46 @@ def test_gelu_and_exp_forward_and_backward(small_pieces, shape, threads):
 
 
 @pytest.mark.threads
+@pytest.mark.parametrize("threads", [1, 3])
+def test_adds_products_sums_and_copies_in_c_give_numpys_bits(small_pieces, threads, monkeypatch):
+    """add and mul (same shape, a row vector, a [G, 1, C] bias, a [T, C] table, the broadcast
+    operand first), sums over outer axes (rows, two axes, the middle axis per group, the first of
+    three), a reshape of a transposed view and slices_assemble of transposed gradients run in C
+    (gl_binary_rows, gl_sum_rows, gl_copy_rows) and give the numpy executor's (the reference's)
+    bits, -0.0 included, on any cut over threads; a broadcast along the last axis or a sum over
+    the last axis takes the numpy kernel."""
+    monkeypatch.setattr(native.kernels, "MIN_C_ELEMENTS", 1)   # (C even for these small arrays)
+    rng = np.random.default_rng(11)
+    b, t, h, d = 2, 5, 3, 4
+    g = gl.Graph("memory_bound")
+    x = g.input("x", (b, t, h * d), np.float32)
+    w = g.input("w", (3, b * t, h * d), np.float32)
+    row, grp, tab = (g.input(n, s, np.float32) for n, s in (("row", (h * d,)), ("grp", (3, 1, h * d)),
+                                                             ("tab", (t, h * d))))
+    col = g.input("col", (b, t, 1), np.float32)
+    heads = gl.transpose(gl.reshape(x, (b, t, h, d)), (0, 2, 1, 3))              # [b, h, t, d], a view
+    merged = gl.reshape(gl.transpose(heads * 2.0, (0, 2, 1, 3)), (b, t, h * d))   # a copy of strided rows
+    parts = [gl.transpose(gl.reshape(w[i], (b, t, h, d)), (0, 2, 1, 3)) for i in range(3)]
+    u = g.const(rng.standard_normal((b, h, t, d)).astype(np.float32))
+    loss = gl.sum(parts[0] * u) + gl.sum(parts[1] * parts[1]) + gl.sum(gl.exp(parts[2]))
+    outputs = [x + x, x * x, x + row, row * x, w + grp, x + tab, x * col, merged,
+               gl.sum(x, axis=0), gl.sum(x, axis=(0, 1)), gl.sum(w, axis=1, keepdims=True), gl.sum(w, axis=0),
+               gl.sum(x, axis=2)] + gl.grad(loss, [w])
+    feeds = {n: rng.standard_normal(v.shape).astype(np.float32)
+             for n, v in (("x", x), ("w", w), ("row", row), ("grp", grp), ("tab", tab), ("col", col))}
+    feeds["x"].reshape(-1)[::7] = -0.0    # (+0 from a sum or the assembly's x + 0, -0 from a copy)
+    feeds["w"].reshape(-1)[::5] = -0.0
+    _threads(threads)
+    prog, got, mid, want = run_all(g, outputs, feeds)
+    assert {"add", "mul", "sum", "reshape", "slices_assemble"} <= prog.native_ops()
+    assert any(n.op == "slices_assemble" for n in prog._step_nodes)
+    for i, (a, m, r) in enumerate(zip(got, mid, want)):
+        assert a.tobytes() == m.tobytes(), f"output {i} differs from the numpy executor's bits"
+        if i != len(got) - 1:   # (the gradient goes through exp: the native exp rounds its own way)
+            assert a.tobytes() == r.tobytes(), f"output {i} differs from the reference's bits"
+
+
+@pytest.mark.threads
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("affine", [(True, True), (True, False), (False, True), (False, False)])
 def test_layer_norm_forward_and_backward(small_pieces, affine, threads):
@@ -313,10 +353,10 @@ def test_kernel_calls_run_on_the_team_with_the_bits_of_one_call():
     n = rows * cols
     g, out = rng.standard_normal(n).astype(np.float32), np.empty(n, np.float32)
     gelu = lambda lo, hi: functools.partial(lib.gl_gelu_tanh_backward, at(x, 1, lo), at(g, 1, lo), None, at(out, 1, lo),
-                                            hi - lo, native.kernels.GELU_A, native.kernels.GELU_B, native.kernels.GELU_DA, native.kernels.GELU_DB)
+                                            hi - lo, gl.ops.GELU_A, gl.ops.GELU_B, gl.ops.GELU_DA, gl.ops.GELU_DB)
     assert same_bits(gelu, [out], n)
     mask, base = np.empty(n, np.bool_), np.array([0x9E3779B97F4A7C15], np.uint64)
-    threshold = native.kernels.keep_threshold(0.9)
+    threshold = numpy_executor.dropout.keep_threshold(0.9)
     assert threshold >= 1 << 63
     draw = lambda lo, hi: functools.partial(lib.gl_dropout_draw, ptr(mask), ptr(x), ptr(out), lo, hi, ptr(base),
                                             threshold, 10.0)
@@ -348,7 +388,7 @@ def test_a_training_steps_row_kernels_run_on_the_team(monkeypatch, small_pieces)
     _threads(2)
     two = prog.run(feeds, params)
     assert {"gl_gelu_tanh_sigmoid", "gl_gelu_tanh_backward", "gl_layer_norm", "gl_layer_norm_backward",
-            "gl_dropout_draw", "gl_dropout_apply"} <= {name for name, ok in made}
+            "gl_dropout_draw", "gl_dropout_apply", "gl_binary_rows", "gl_sum_rows"} <= {name for name, ok in made}
     assert all(ok for _, ok in made)
     assert all(a.tobytes() == b.tobytes() for a, b in zip(one, two))
 

@@ -43,6 +43,9 @@ _P, _I, _U64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64, ctype
 SIGNATURES = {   # C function -> argument types (every function returns void)
     "gl_exp": (_P, _P, _I),
     "gl_softmax_rows": (_P, _P, _I, _I),
+    "gl_binary_rows": (_P, _P, _P, _I, _I, _I, _I, _I, _I),
+    "gl_sum_rows": (_P, _P, _I, _I, _I, _I, _I),
+    "gl_copy_rows": (_P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I),
     "gl_gelu_tanh": (_P, _P, _P, _I, _F, _F),
     "gl_gelu_tanh_sigmoid": (_P, _P, _I, _F, _F),
     "gl_gelu_tanh_backward": (_P, _P, _P, _P, _I, _F, _F, _F, _F),

@@ -149,6 +149,67 @@ void gl_softmax_rows(const float *x, float *y, int64_t rows, int64_t cols) {
     }
 }
 
+/* ---- memory-bound ops: binary add and multiply, sums over outer axes, strided copies --------
+ * Each is NumPy's own arithmetic in NumPy's order (one rounding per element; a sum in row order),
+ * so these give the numpy executor's bits; what they save is NumPy's per-call and per-inner-loop
+ * overhead, and on n threads they run as n calls on the C worker team. */
+
+/* rows [r0, r1) of out = x op y, x and out [rows, cols], y's row for row i: (i / rpy) % ny (a
+ * full-shape y: rpy 1, ny rows; a row vector: ny 1; y [G, 1, cols] against x [G, R, cols]:
+ * rpy R, ny G). op 0: x + y, 1: x * y. out may be x (in place). */
+void gl_binary_rows(const float *x, const float *y, float *out, int64_t r0, int64_t r1, int64_t cols,
+                    int64_t rpy, int64_t ny, int64_t op) {
+    for (int64_t i = r0; i < r1; i++) {
+        const float *xi = x + i * cols, *yi = y + ((i / rpy) % ny) * cols;
+        float *oi = out + i * cols;
+        if (op == 0)
+            for (int64_t j = 0; j < cols; j++) oi[j] = xi[j] + yi[j];
+        else
+            for (int64_t j = 0; j < cols; j++) oi[j] = xi[j] * yi[j];
+    }
+}
+
+#define SUM_BLOCK 512   /* columns summed together: their partial sums stay in L1 */
+
+/* columns [j0, j1) of out[g][j] = ((0 + x[g][0][j]) + x[g][1][j]) + ... + x[g][R-1][j], x
+ * [G, R, C] contiguous: NumPy's add.reduce over the middle axis (it starts from its identity 0,
+ * so -0 sums to +0, and adds the rows in order). */
+void gl_sum_rows(const float *x, float *out, int64_t groups, int64_t rows, int64_t cols, int64_t j0, int64_t j1) {
+    for (int64_t g = 0; g < groups; g++) {
+        const float *xg = x + g * rows * cols;
+        float *og = out + g * cols;
+        for (int64_t b0 = j0; b0 < j1; b0 += SUM_BLOCK) {
+            int64_t b1 = j1 - b0 < SUM_BLOCK ? j1 : b0 + SUM_BLOCK;
+            for (int64_t j = b0; j < b1; j++) og[j] = 0.0f;
+            for (int64_t i = 0; i < rows; i++) {
+                const float *xr = xg + i * cols;
+                for (int64_t j = b0; j < b1; j++) og[j] += xr[j];
+            }
+        }
+    }
+}
+
+/* rows [r0, r1) of dst = src (+ 0.0f where plus_zero: -0 becomes +0, as NumPy's copy by adding
+ * zero), dst contiguous [n0, n1, n2, n3], src the same shape at element strides s0, s1, s2 with
+ * rows of n3 contiguous floats; row r is (r / (n1 n2), (r / n2) % n1, r % n2). */
+void gl_copy_rows(const float *src, float *dst, int64_t r0, int64_t r1, int64_t n1, int64_t n2, int64_t n3,
+                  int64_t s0, int64_t s1, int64_t s2, int64_t plus_zero) {
+    if (r0 >= r1 || n1 <= 0 || n2 <= 0) return;
+    int64_t i0 = r0 / (n1 * n2), i1 = (r0 / n2) % n1, i2 = r0 % n2;
+    for (int64_t r = r0; r < r1; r++) {
+        const float *s = src + i0 * s0 + i1 * s1 + i2 * s2;
+        float *d = dst + r * n3;
+        if (plus_zero)
+            for (int64_t j = 0; j < n3; j++) d[j] = s[j] + 0.0f;
+        else
+            memcpy(d, s, (size_t)n3 * sizeof(float));
+        if (++i2 == n2) {
+            i2 = 0;
+            if (++i1 == n1) { i1 = 0; i0++; }
+        }
+    }
+}
+
 /* ---- layer norm (rows of `cols` floats) ------------------------------------------------- */
 
 /* y = (x - mean) / sqrt(mean((x - mean)^2) + eps) * w + b per row (w, b may be NULL). Kept for

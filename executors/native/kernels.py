@@ -1,5 +1,6 @@
 """The native executor's row kernels in C (kernels.c): one fused pass per row or element range.
 
+    add and multiply, outer sums, copies     (NumPy's arithmetic and order, without its overheads)
     exp, tanh GELU and its backward          (a vectorised float32 exp, within 2 ulp)
     softmax over the last axis               (rowmax, exp, rowsum and divide in one pass per row)
     layer norm and its backward              (one pass per row; row sums in 16 partial sums)
@@ -12,6 +13,7 @@ shared out by size on the Python pool (one C call per parameter).
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 
@@ -96,6 +98,119 @@ def _gelu_backward_sigmoid(node, out, ins, scratch):
     if node.dtype != np.float32 or not native_arrays(x, g, s, out):
         return None
     return _gelu_backward_closure(x, g, s, out)
+
+
+# == memory-bound ops: add and multiply, sums over outer axes, strided copies ================================
+# NumPy's arithmetic in NumPy's order (kernels.c): the numpy executor's bits, without NumPy's
+# per-call and per-inner-loop cost (a strided copy of 32-float rows ran at 4 GB/s), and on n
+# threads split over the C team where the numpy executor runs them whole.
+
+_BINARY_OPS = {"add": 0, "mul": 1}   # gl_binary_rows' op codes
+MIN_C_ELEMENTS = 1 << 14   # below this NumPy's call costs less than a C call's ctypes and team check (decoding)
+
+
+def _row_broadcast(y_shape, shape) -> tuple[int, int] | None:
+    """(rpy, ny): y's row for row i of `shape` seen as [rows, shape[-1]] is (i // rpy) % ny, for
+    a `y_shape` broadcasting to `shape` that is whole along the last axis and whose other
+    non-1 axes are one run of `shape`'s; None otherwise."""
+    full = (1,) * (len(shape) - len(y_shape)) + tuple(y_shape)
+    if not shape or full[-1] != shape[-1]:
+        return None
+    kept = [i for i, d in enumerate(full[:-1]) if d != 1]
+    if not kept:
+        return 1, 1
+    a, b = kept[0], kept[-1] + 1
+    if any(full[i] != shape[i] for i in range(a, b)):
+        return None
+    return math.prod(shape[b:-1]), math.prod(shape[a:b])
+
+
+@native_kernel("add", "mul")
+def _binary(node, out, ins, scratch):
+    if node.dtype != np.float32 or len(ins) != 2 or out.ndim == 0 or out.size < MIN_C_ELEMENTS:
+        return None
+    x, y = ins if ins[0].shape == out.shape else ins[::-1]   # (both ops commute, bit for bit)
+    layout = _row_broadcast(y.shape, out.shape) if x.shape == out.shape else None
+    if layout is None or not native_arrays(x, y, out):
+        return None
+    (rpy, ny), cols = layout, out.shape[-1]
+    fn, op = library().gl_binary_rows, _BINARY_OPS[node.op]
+    return split_calls(lambda lo, hi: functools.partial(fn, ptr(x), ptr(y), ptr(out), lo, hi, cols, rpy, ny, op),
+                       out.size // cols, cols, (x, y, out))
+
+
+@native_kernel("sum")
+def _sum(node, out, ins, scratch):
+    """A sum over one run of outer axes (a bias gradient's rows, a batched product's batch)."""
+    (x,) = ins
+    axes = list(node.attrs["axes"])
+    if (node.dtype != np.float32 or x.size < MIN_C_ELEMENTS or not axes or axes != list(range(axes[0], axes[-1] + 1))
+            or axes[-1] == x.ndim - 1 or not native_arrays(x, out)):
+        return None
+    groups, rows = math.prod(x.shape[:axes[0]]), math.prod(x.shape[axes[0]:axes[-1] + 1])
+    cols = math.prod(x.shape[axes[-1] + 1:])
+    fn = library().gl_sum_rows
+    return split_calls(lambda lo, hi: functools.partial(fn, ptr(x), ptr(out), groups, rows, cols, lo, hi),
+                       cols, groups * rows, (x, out))
+
+
+def _rows_layout(x) -> tuple[int, ...] | None:
+    """(n1, n2, n3, s0, s1, s2, rows): float32 `x` as at most four axes [n0, n1, n2, n3] at
+    element strides s0, s1, s2 whose last holds n3 contiguous floats (size-1 axes dropped,
+    axes that are one stride apart merged); None where it needs more than four."""
+    if x.dtype != np.float32 or x.size == 0 or any(s % 4 for s in x.strides):
+        return None
+    axes = []   # [size, element stride], inner first
+    for d, s in zip(reversed(x.shape), reversed(x.strides)):
+        if d == 1:
+            continue
+        if axes and axes[-1][1] * axes[-1][0] == s // 4:
+            axes[-1][0] *= d
+        else:
+            axes.append([d, s // 4])
+    if not axes or axes[0][1] != 1 or len(axes) > 4:
+        return None
+    axes += [[1, 0]] * (4 - len(axes))
+    (n3, _), (n2, s2), (n1, s1), (n0, s0) = axes
+    return n1, n2, n3, s0, s1, s2, n0 * n1 * n2
+
+
+def _copy_closure(src, dst, plus_zero: int):
+    """dst (C-contiguous, src's shape) = src (+ 0.0 where plus_zero) by gl_copy_rows, or None."""
+    layout = _rows_layout(src) if src.size >= MIN_C_ELEMENTS else None
+    if layout is None or not native_arrays(dst) or dst.size != src.size:
+        return None
+    *dims, rows = layout
+    fn = library().gl_copy_rows
+    return split_calls(lambda lo, hi: functools.partial(fn, ptr(src), ptr(dst), lo, hi, *dims, plus_zero),
+                       rows, dims[2], (src, dst))
+
+
+@native_kernel("reshape")
+def _reshape_copy(node, out, ins, scratch):
+    """A reshape whose input's strides need a copy (heads merged back after attention)."""
+    return _copy_closure(ins[0], out, 0)   # (np.copyto: -0 stays -0)
+
+
+@native_kernel("slices_assemble")
+def _slices_assemble(node, out, ins, scratch):
+    """The gradients of q, k and v written into their slices of the fused qkv's gradient: each a
+    strided copy plus 0.0 (the numpy kernel's np.add(src, 0)), where the slices cover out."""
+    if not node.attrs["covered"] or not native_arrays(out):
+        return None
+    copies = []
+    for index, src in zip(node.attrs["indexes"], ins):
+        window = out[tuple(index) + (Ellipsis,)]
+        run = _copy_closure(src, window, 1) if window.flags.c_contiguous and window.size == src.size else None
+        if run is None:
+            return None
+        copies.append(run)
+
+    def run():
+        for copy in copies:
+            copy()
+    run.arrays = copies
+    return run
 
 
 # == layer norm ===========================================================================================
