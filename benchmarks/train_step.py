@@ -8,7 +8,9 @@ softmax, matmul), and "torch_sdpa" uses its fused ``F.scaled_dot_product_attenti
 size: after warm-up, the three step functions are timed in turns (so load from other processes
 hits all alike); the median ms/step, tokens/s, the ratios graphlm / PyTorch and the MFU
 (analytic matmul FLOPs of tools.params.flops_per_token over the measured ``np.matmul`` 2048^3
-rate of the same run) are reported. The ratios come twice: of the medians over all timed steps,
+rate of the same run: the best of one measurement before the timing and one in every rotation
+of turns, so that a slow spell at the start cannot lower the peak and raise every MFU) are
+reported. The ratios come twice: of the medians over all timed steps,
 and "per turn" (the median over rotations of each rotation's graphlm turn over the other's, turns
 a few seconds apart), which a slow spell of a shared machine lasting a few turns moves less.
 
@@ -175,13 +177,16 @@ def batch_data(config, batch, seed=0):
             rng.integers(0, config.vocab_size, (batch, t)).astype(np.int64))
 
 
-def matmul_peak(torch=None, repeats: int = 5) -> float:
-    """GFLOP/s of np.matmul on float32 2048^3 (best of `repeats`)."""
+def matmul_peak(repeats: int = 5) -> float:
+    """GFLOP/s of np.matmul on float32 2048^3 on THREADS threads of NumPy's BLAS (best of
+    `repeats`); BLAS goes back to one thread after (the executor's setting)."""
     n = 2048
     a = np.random.default_rng(0).standard_normal((n, n)).astype(np.float32)
     out = np.empty_like(a)
+    numpy_executor.set_blas_threads(THREADS)   # the peak: one np.matmul on all the threads
     np.matmul(a, a, out=out)
     best = min(_timed(lambda: np.matmul(a, a, out=out)) for _ in range(repeats))
+    numpy_executor.set_threads(THREADS)        # graphlm: the executor's threads, BLAS on one
     return 2 * n ** 3 / best / 1e9
 
 
@@ -209,12 +214,14 @@ def loss_check(config, batch, torch) -> dict:
             "max_abs_diff": max(diffs), "ok": max(diffs) <= LOSS_TOLERANCE}
 
 
-def time_batch(config, batch, steps, warmup, torch, peak_gflops, gap: float, block: int) -> dict:
+def time_batch(config, batch, steps, warmup, torch, peaks: list, gap: float, block: int) -> dict:
     """Median ms per step of each framework. The frameworks take turns (rotating who goes
     first) in blocks: `gap` seconds of sleep (the other's idle threads stop spinning), one
     untimed step (caches and clocks come back after the switch), then `block` timed steps back
     to back, as in training. block 1 with no untimed step was the protocol before (see
-    docs/performance.md: every step then starts cold)."""
+    docs/performance.md: every step then starts cold). Every rotation ends with a measurement of
+    the matmul peak, appended to `peaks` (GFLOP/s); the MFU fields are filled in by `add_mfu`
+    once the run's best peak is known."""
     gs = GraphlmStep(config, batch)
     ts = TorchStep(config, gs.state, torch)
     tf = TorchStep(config, gs.state, torch, sdpa=True)
@@ -238,6 +245,8 @@ def time_batch(config, batch, steps, warmup, torch, peak_gflops, gap: float, blo
             turn = [_timed(run[who]) for _ in range(min(block, steps - r * block))]
             times[who] += turn
             turns[who].append(statistics.median(turn))
+        time.sleep(gap)
+        peaks.append(matmul_peak(repeats=2))
     tokens = batch * config.context_length
     flops = flops_per_token(config)["train_step"] * tokens
     ms = {who: statistics.median(t) * 1e3 for who, t in times.items()}
@@ -255,11 +264,18 @@ def time_batch(config, batch, steps, warmup, torch, peak_gflops, gap: float, blo
         **{f"turn_ratio_graphlm_over_{other}": round(statistics.median(
             g / o for g, o in zip(turns["graphlm"], turns[other])), 3) for other in order[1:]},
         "matmul_gflop_per_step": round(flops / 1e9, 3),
-        "matmul_lower_bound_ms": round(flops / peak_gflops / 1e6, 2),
-        **{f"{who}_mfu": round(flops / (ms[who] / 1e3) / (peak_gflops * 1e9), 4) for who in order},
         "arena_mib": round(gs.program.plan.arena_bytes / 2 ** 20, 2),
         "kept_mib": round(gs.program.kept_bytes() / 2 ** 20, 2),
     }
+
+
+def add_mfu(row: dict, peak_gflops: float) -> dict:
+    """`row` with its matmul lower bound and each framework's MFU against `peak_gflops`."""
+    flops = row["matmul_gflop_per_step"] * 1e9
+    row["matmul_lower_bound_ms"] = round(flops / peak_gflops / 1e6, 2)
+    for who in ("graphlm", "torch", "torch_sdpa"):
+        row[f"{who}_mfu"] = round(flops / (row[f"{who}_ms"] / 1e3) / (peak_gflops * 1e9), 4)
+    return row
 
 
 def _rss_kib(field: str) -> int:
@@ -350,7 +366,8 @@ def profile_table(prof: dict) -> str:
 
 def markdown(result: dict) -> str:
     lines = [f"TinyLM training step, graphlm's {result.get('executor', 'numpy')} executor, {result['threads']} thread(s), turns of {result.get('block', 1)} steps, np.matmul 2048^3 peak "
-             f"{result['matmul_peak_gflops']} GFLOP/s, dropout {result['config']['dropout']}. "
+             f"{result['matmul_peak_gflops']} GFLOP/s (best of {result.get('matmul_peak_measurements', 1)}, the first "
+             f"{result.get('matmul_peak_first_gflops', '-')}), dropout {result['config']['dropout']}. "
              "torch: attention spelled out; torch_sdpa: F.scaled_dot_product_attention",
              "",
              "| batch | graphlm ms | torch ms | torch_sdpa ms | graphlm / torch | graphlm / torch_sdpa "
@@ -428,15 +445,16 @@ def main(argv=None) -> int:
 
     import torch
     torch.set_num_threads(args.threads)
-    numpy_executor.set_blas_threads(args.threads)   # the peak: one np.matmul on all the threads
-    peak = matmul_peak()
-    numpy_executor.set_threads(args.threads)
+    peaks = [matmul_peak()]   # then one per rotation of turns (time_batch)
     check = loss_check(config, min(args.batches), torch)
-    rows = [time_batch(config, b, args.steps, args.warmup, torch, peak, args.gap, args.block)
+    rows = [time_batch(config, b, args.steps, args.warmup, torch, peaks, args.gap, args.block)
             for b in args.batches]
+    peak = max(peaks)
+    rows = [add_mfu(row, peak) for row in rows]
     result = {"benchmark": "train_step", "executor": EXECUTOR, "config": config.to_dict(), "threads": args.threads,
               "gap_s": args.gap, "block": args.block,
-              "matmul_peak_gflops": round(peak, 1), "loss_check": check, "rows": rows,
+              "matmul_peak_gflops": round(peak, 1), "matmul_peak_first_gflops": round(peaks[0], 1),
+              "matmul_peak_measurements": len(peaks), "loss_check": check, "rows": rows,
               "peak_memory_method": "peak RSS (VmHWM) of a subprocess per framework and batch, 3 steps",
               "machine": {"python": platform.python_version(), "numpy": np.__version__,
                           "torch": torch.__version__}}
