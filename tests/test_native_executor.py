@@ -225,10 +225,11 @@ def test_causal_attention_forward_and_backward(small_pieces, t, threads):
 
 
 @pytest.mark.threads
+@pytest.mark.parametrize("products_in_c", [True, False])
 @pytest.mark.parametrize("query_block", [64, 16, 5])
-def test_causal_attention_whole_in_c_matches_the_reference_and_any_cut(monkeypatch, query_block):
-    """The kept-scores pair runs whole in C (gl_causal_attention and _backward, their products as
-    NumPy's BLAS calls) on q, k, v with matrix strides (views of one fused QKV), in one query block
+def test_causal_attention_whole_in_c_matches_the_reference_and_any_cut(monkeypatch, query_block, products_in_c):
+    """The kept-scores pair runs whole in C (gl_causal_attention and _backward, their products in C
+    or as NumPy's BLAS calls) on q, k, v with matrix strides (views of one fused QKV), in one query block
     or several uneven ones: within float32 rounding of the reference, the same bits on 1 thread
     and cut in matrix ranges on 2 and 3, no masked score read (NaN-poisoned arena); without a
     BLAS sgemm to call it falls back to the numpy kernel with C steps."""
@@ -236,6 +237,7 @@ def test_causal_attention_whole_in_c_matches_the_reference_and_any_cut(monkeypat
     monkeypatch.setattr(gl.ops, "ATTENTION_QUERY_BLOCK", query_block)
     monkeypatch.setattr(kept_values, "KEEP_SCORES_PER_OUTPUT", 10)
     monkeypatch.setattr(native.attention, "MIN_TEAM_ATTENTION_FLOPS", 0)
+    monkeypatch.setattr(native.attention, "ATTENTION_PRODUCTS_IN_C", products_in_c)
     rng = np.random.default_rng(6)
     b, h, t, d = 2, 3, 37, 8
     g = gl.Graph("attention_c")

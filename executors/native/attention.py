@@ -57,6 +57,9 @@ def _with_native_steps(numpy_build):
 # (gl_causal_attention and _backward: the same steps, the products as BLAS calls), its score
 # matrices cut in ranges on the C worker team; the backward without kept scores stays above.
 MIN_TEAM_ATTENTION_FLOPS = 1 << 20   # causal attention below this runs whole on one thread
+# Its products in C (kernels.c, plan_product: 1.3-1.6x OpenBLAS's rate on these shapes), else each
+# a call of NumPy's cblas_sgemm (also where a transposed operand is larger than the C side packs)
+ATTENTION_PRODUCTS_IN_C = True
 
 
 def _attention_in_c(node, fn, shape, strided, arrays, flops):
@@ -78,7 +81,8 @@ def _attention_in_c(node, fn, shape, strided, arrays, flops):
     table = np.ascontiguousarray(np.stack(offsets + [np.zeros_like(offsets[0])] * pad, axis=1), np.int64)
     blocks, _, scale = attention_plan(node, shape)
     slots = ctypes.c_int64.in_dll(library(), "gl_attention_plan_arrays").value
-    plan = np.array([t, d, len(table), len(blocks), *sgemm, *(x.strides[-2] // 4 for x in strided), *[0] * pad,
+    plan = np.array([t, d, len(table), len(blocks), *sgemm, int(ATTENTION_PRODUCTS_IN_C),
+                     *(x.strides[-2] // 4 for x in strided), *[0] * pad,
                      ptr(table), *map(ptr, arrays), *[0] * (slots - len(arrays)),
                      *(r0 for r0, _ in blocks), blocks[-1][1]], np.int64)
     call = lambda m0, m1: functools.partial(fn, ptr(plan), m0, m1, float(scale))

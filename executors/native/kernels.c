@@ -321,13 +321,13 @@ void gl_softmax_ds_block(float *s, const float *e, const float *dd, int64_t nmat
  *
  * plan (int64 words, built once per node by executors/native/attention.py): t, d, M (matrices of the node),
  * nb (query blocks), the sgemm's address and integer width (2: 64-bit, 3: 32-bit, as
- * team.c's piece kinds), the row strides (floats) of q, k, v and g, the address of a
+ * team.c's piece kinds), whether the products run in C (plan_product), the row strides (floats) of q, k, v and g, the address of a
  * table of 4 element offsets per matrix (of q, k, v, g), the addresses of the node's arrays
  * (PLAN_ARRAYS words, in the order each kernel names), then the nb + 1 query block bounds.
  * Arrays other than q, k, v and g hold their matrices contiguously, matrix after matrix. Block b
  * of matrix m of a score buffer (E, ds) is (r1 - r0) x r1 floats at M * (the sizes of the blocks
  * before b) + m * (r1 - r0) * r1 (graphlm.ops.causal_attention_keep_layout). */
-enum { P_T, P_D, P_M, P_NB, P_SGEMM, P_KIND, P_LD, P_OFFSETS = P_LD + 4, P_ARRAYS, PLAN_ARRAYS = 12,
+enum { P_T, P_D, P_M, P_NB, P_SGEMM, P_KIND, P_OWN, P_LD, P_OFFSETS = P_LD + 4, P_ARRAYS, PLAN_ARRAYS = 12,
        P_BOUNDS = P_ARRAYS + PLAN_ARRAYS };
 const int64_t gl_attention_plan_arrays = PLAN_ARRAYS;   /* read by executors/native/attention.py */
 enum { CBLAS_ROW_MAJOR = 101, CBLAS_NO = 111, CBLAS_T = 112 };   /* CBLAS's enum values */
@@ -349,10 +349,38 @@ void gl_sgemm(int64_t sgemm, int64_t width, int ta, int tb, int64_t m, int64_t n
                                       a, (int32_t)lda, b, (int32_t)ldb, 0.0f, c, (int32_t)ldc);
 }
 
-/* an attention plan's sgemm (the words P_SGEMM, P_KIND) */
-static void plan_sgemm(const int64_t *plan, int ta, int tb, int64_t m, int64_t n, int64_t k, const float *a,
-                       int64_t lda, const float *b, int64_t ldb, float *c, int64_t ldc) {
-    gl_sgemm(plan[P_SGEMM], plan[P_KIND], ta, tb, m, n, k, a, lda, b, ldb, c, ldc);
+static void nn_product(const float *a, const float *b, float *o, int64_t m, int64_t k, int64_t lda, int64_t ldb,
+                       int64_t ldo, int64_t j0, int64_t j1);   /* the small products' NN kernel, below */
+
+#define PACK_FLOATS 65536   /* per thread and operand: a transposed operand of an attention product */
+static _Thread_local float pack_a[PACK_FLOATS], pack_b[PACK_FLOATS];
+
+/* x [rows, cols] at row stride ld, transposed into xt [cols, rows] (contiguous) */
+static void transpose_into(const float *x, int64_t rows, int64_t cols, int64_t ld, float *xt) {
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t j = 0; j < cols; j++) xt[j * rows + i] = x[i * ld + j];
+}
+
+/* An attention plan's product c = op(a) @ op(b) (gl_sgemm's arguments). Where the plan says so
+ * (P_OWN) and a transposed operand fits PACK_FLOATS, in C: the transposed operands packed, then
+ * the small products' NN kernel (8 x 32 register blocks; each element one chain of fused
+ * multiply-adds over k in order). Score blocks are 64 x 64 to 64 x 1024 with k = d, where
+ * OpenBLAS's call and packing cost about a third of its time; else by the plan's sgemm. */
+static void plan_product(const int64_t *plan, int ta, int tb, int64_t m, int64_t n, int64_t k, const float *a,
+                         int64_t lda, const float *b, int64_t ldb, float *c, int64_t ldc) {
+    if (!plan[P_OWN] || (ta && m * k > PACK_FLOATS) || (tb && k * n > PACK_FLOATS)) {
+        gl_sgemm(plan[P_SGEMM], plan[P_KIND], ta, tb, m, n, k, a, lda, b, ldb, c, ldc);
+        return;
+    }
+    if (ta) {   /* a is stored [k, m] */
+        transpose_into(a, k, m, lda, pack_a);
+        a = pack_a, lda = k;
+    }
+    if (tb) {   /* b is stored [n, k] */
+        transpose_into(b, n, k, ldb, pack_b);
+        b = pack_b, ldb = n;
+    }
+    nn_product(a, b, c, m, k, lda, ldb, ldc, 0, n);
 }
 
 static float *plan_array(const int64_t *plan, int i) { return (float *)(intptr_t)plan[P_ARRAYS + i]; }
@@ -382,9 +410,9 @@ void gl_causal_attention(const int64_t *plan, int64_t m0, int64_t m1, float scal
         for (int64_t b = 0; b < nb; b++) {
             int64_t r0 = bound[b], r1 = bound[b + 1];
             float *x = score_block(e, plan, b, m);
-            plan_sgemm(plan, 0, 1, r1 - r0, r1, d, qsm + r0 * d, d, km, ld[1], x, r1);
+            plan_product(plan, 0, 1, r1 - r0, r1, d, qsm + r0 * d, d, km, ld[1], x, r1);
             gl_causal_softmax_block(x, lm + r0, 1, r1 - r0, r1, r0, 0);
-            plan_sgemm(plan, 0, 0, r1 - r0, d, r1, x, r1, vm, ld[2], om + r0 * d, d);
+            plan_product(plan, 0, 0, r1 - r0, d, r1, x, r1, vm, ld[2], om + r0 * d, d);
         }
         for (int64_t i = 0; i < t; i++)
             for (int64_t j = 0; j < d; j++) om[i * d + j] /= lm[i];
@@ -420,13 +448,13 @@ void gl_causal_attention_backward(const int64_t *plan, int64_t m0, int64_t m1, f
             int64_t r0 = bound[b], r1 = bound[b + 1], last = b == nb - 1;
             float *s = score_block(ds, plan, b, m);
             const float *x = score_block((float *)e, plan, b, m);
-            plan_sgemm(plan, 0, 1, r1 - r0, r1, d, gs + r0 * d, d, vm, ld[2], s, r1);
+            plan_product(plan, 0, 1, r1 - r0, r1, d, gs + r0 * d, d, vm, ld[2], s, r1);
             gl_softmax_ds_block(s, x, dd + r0, 1, r1 - r0, r1, 0);
-            plan_sgemm(plan, 0, 0, r1 - r0, d, r1, s, r1, km, ld[1], dq + r0 * d, d);
-            plan_sgemm(plan, 1, 0, r1, d, r1 - r0, s, r1, qm + r0 * ld[0], ld[0], last ? dk : tmp, d);
+            plan_product(plan, 0, 0, r1 - r0, d, r1, s, r1, km, ld[1], dq + r0 * d, d);
+            plan_product(plan, 1, 0, r1, d, r1 - r0, s, r1, qm + r0 * ld[0], ld[0], last ? dk : tmp, d);
             if (!last)
                 for (int64_t i = 0; i < r1 * d; i++) dk[i] += tmp[i];
-            plan_sgemm(plan, 1, 0, r1, d, r1 - r0, x, r1, gs + r0 * d, d, last ? dv : tmp, d);
+            plan_product(plan, 1, 0, r1, d, r1 - r0, x, r1, gs + r0 * d, d, last ? dv : tmp, d);
             if (!last)
                 for (int64_t i = 0; i < r1 * d; i++) dv[i] += tmp[i];
         }
