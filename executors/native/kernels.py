@@ -127,6 +127,7 @@ def _row_broadcast(y_shape, shape) -> tuple[int, int] | None:
 
 @native_kernel("add", "mul")
 def _binary(node, out, ins, scratch):
+    """x + y or x * y with y whole along the last axis and broadcast over rows (_row_broadcast)."""
     if node.dtype != np.float32 or len(ins) != 2 or out.ndim == 0 or out.size < MIN_C_ELEMENTS:
         return None
     x, y = ins if ins[0].shape == out.shape else ins[::-1]   # (both ops commute, bit for bit)
