@@ -155,6 +155,8 @@ def test_adds_products_sums_and_copies_in_c_give_numpys_bits(small_pieces, threa
              for n, v in (("x", x), ("w", w), ("row", row), ("grp", grp), ("tab", tab), ("col", col))}
     feeds["x"].reshape(-1)[::7] = -0.0    # (+0 from a sum or the assembly's x + 0, -0 from a copy)
     feeds["w"].reshape(-1)[::5] = -0.0
+    feeds["w"][:, :, 0] = -0.0            # a column of -0 only: NumPy's sums start from +0, so +0
+    feeds["x"][:, :, 1] = -0.0
     _threads(threads)
     prog, got, mid, want = run_all(g, outputs, feeds)
     assert {"add", "mul", "sum", "reshape", "slices_assemble"} <= prog.native_ops()

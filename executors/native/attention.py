@@ -57,8 +57,8 @@ def _with_native_steps(numpy_build):
 # (gl_causal_attention and _backward: the same steps, the products as BLAS calls), its score
 # matrices cut in ranges on the C worker team; the backward without kept scores stays above.
 MIN_TEAM_ATTENTION_FLOPS = 1 << 20   # causal attention below this runs whole on one thread
-# Its products in C (kernels.c, plan_product: 1.3-1.6x OpenBLAS's rate on these shapes), else each
-# a call of NumPy's cblas_sgemm (also where a transposed operand is larger than the C side packs)
+# Its products in C (kernels.c, plan_product; the figures: docs/performance.md), else each a call
+# of NumPy's cblas_sgemm (also where a transposed operand is larger than the C side packs)
 ATTENTION_PRODUCTS_IN_C = True
 
 

@@ -2,7 +2,8 @@
  *
  * Each function is one fused pass (or one pass per row) over contiguous float32 memory that the
  * executor planned: no allocation, no threads (the executor cuts the work into ranges and runs
- * them on its own threads; ctypes releases the GIL for the call), no global state.
+ * them on its own threads; ctypes releases the GIL for the call), no global state but the
+ * attention's two per-thread packing buffers (plan_product), scratch that no call reads after.
  *
  * Compiled on first use by executors/native/build.py with the machine's C compiler:
  *     cc -O3 -march=native -ffp-contract=off -fno-math-errno -fPIC -shared
@@ -364,8 +365,8 @@ static void transpose_into(const float *x, int64_t rows, int64_t cols, int64_t l
 /* An attention plan's product c = op(a) @ op(b) (gl_sgemm's arguments). Where the plan says so
  * (P_OWN) and a transposed operand fits PACK_FLOATS, in C: the transposed operands packed, then
  * the small products' NN kernel (8 x 32 register blocks; each element one chain of fused
- * multiply-adds over k in order). Score blocks are 64 x 64 to 64 x 1024 with k = d, where
- * OpenBLAS's call and packing cost about a third of its time; else by the plan's sgemm. */
+ * multiply-adds over k in order): score blocks are small (64 x 64 to 64 x 1024, k = d), where
+ * a BLAS call's own packing and dispatch weigh (docs/performance.md); else by the plan's sgemm. */
 static void plan_product(const int64_t *plan, int ta, int tb, int64_t m, int64_t n, int64_t k, const float *a,
                          int64_t lda, const float *b, int64_t ldb, float *c, int64_t ldc) {
     if (!plan[P_OWN] || (ta && m * k > PACK_FLOATS) || (tb && k * n > PACK_FLOATS)) {

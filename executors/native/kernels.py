@@ -102,8 +102,8 @@ def _gelu_backward_sigmoid(node, out, ins, scratch):
 
 # == memory-bound ops: add and multiply, sums over outer axes, strided copies ================================
 # NumPy's arithmetic in NumPy's order (kernels.c): the numpy executor's bits, without NumPy's
-# per-call and per-inner-loop cost (a strided copy of 32-float rows ran at 4 GB/s), and on n
-# threads split over the C team where the numpy executor runs them whole.
+# per-call and per-inner-loop cost (a strided copy in rows of 32 floats is one NumPy inner loop
+# per row), and on n threads split over the C team where the numpy executor runs them whole.
 
 _BINARY_OPS = {"add": 0, "mul": 1}   # gl_binary_rows' op codes
 MIN_C_ELEMENTS = 1 << 14   # below this NumPy's call costs less than a C call's ctypes and team check (decoding)
