@@ -10,7 +10,10 @@ either fits the plan).
 
 Where things live:
 
-- kernels.c: every C kernel; team.c: the C worker team that runs a kernel's pieces on n threads.
+- the C kernels, one file per family as the Python side: kernels.c (elementwise, memory-bound ops,
+  layer norm, dropout, AdamW), attention.c, products.c; kernels.h what they share (exp_f32, the row
+  reductions, the dot product's summation order); team.c the C worker team that runs a kernel's
+  pieces on n threads.
 - build.py: compiling and loading the library (cached by a hash of sources, flags, compiler and
   CPU; verified before every load); `library()`, `available()`, `NativeUnavailable`.
 - team.py: the team's piece tables, `team_closure` (the one way a closure runs on n threads),

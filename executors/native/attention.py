@@ -1,7 +1,7 @@
 """Attention in C: causal attention (training, prefill) and a decode step's cached attention.
 
 Causal attention runs whole in C where NumPy's BLAS has a cblas_sgemm to call
-(gl_causal_attention and _backward in kernels.c: the numpy kernel's query-block steps, its
+(gl_causal_attention and _backward in attention.c: the numpy kernel's query-block steps, its
 products as those BLAS calls), its score matrices cut in ranges on the C worker team; elsewhere
 (and for the backward that recomputes the scores) it is the numpy kernel with its two block
 steps, the causal softmax and the ds step, in C. A decode step's cached attention
@@ -57,14 +57,14 @@ def _with_native_steps(numpy_build):
 # (gl_causal_attention and _backward: the same steps, the products as BLAS calls), its score
 # matrices cut in ranges on the C worker team; the backward without kept scores stays above.
 MIN_TEAM_ATTENTION_FLOPS = 1 << 20   # causal attention below this runs whole on one thread
-# Its products in C (kernels.c, plan_product; the figures: docs/performance.md), else each a call
+# Its products in C (attention.c, plan_product; the figures: docs/performance.md), else each a call
 # of NumPy's cblas_sgemm (also where a transposed operand is larger than the C side packs)
 ATTENTION_PRODUCTS_IN_C = True
 
 
 def _attention_in_c(node, fn, shape, strided, arrays, flops):
     """The closure of `fn` (gl_causal_attention or _backward) over the score matrices of q's
-    `shape`, from its plan words (kernels.c): `arrays` in the kernel's order, of which
+    `shape`, from its plan words (attention.c): `arrays` in the kernel's order, of which
     `strided` (q, k, v and g: rows of contiguous floats, any matrix strides) are given by their
     rows' stride and per-matrix offsets, the others contiguous; None where no sgemm is found or
     an array is not laid out so."""

@@ -1,4 +1,4 @@
-"""Building and loading the native executor's C library (kernels.c and team.c in this folder).
+"""Building and loading the native executor's C library (the C files in this folder).
 
 The C files are compiled into one library on first use (as tinygrad's CLANG back end does) with
 ``$CC`` (default ``cc``) and ``-O3 -march=native``, into ``$GRAPHLM_CACHE_DIR`` (default
@@ -28,8 +28,12 @@ from pathlib import Path
 
 from graphlm.io.runfolder import remove_dead_temporaries
 
-SOURCES = (Path(__file__).with_name("kernels.c"),   # the kernels
-           Path(__file__).with_name("team.c"))        # the worker team that runs a product's pieces
+_HERE = Path(__file__).parent
+SOURCES = tuple(_HERE / name for name in ("kernels.c",     # elementwise and row kernels
+                                          "attention.c",   # causal and cached attention
+                                          "products.c",    # small products, the one BLAS call
+                                          "team.c"))       # the worker team that runs a kernel's pieces
+HEADERS = (_HERE / "kernels.h",)   # what the C files share: part of the build's hash, not compiled
 FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-std=c11",
          "-fPIC", "-shared", "-pthread")
 HOST_FLAGS = ("-march=native",)   # dropped when the compiler does not take it
@@ -213,7 +217,7 @@ def _build_and_load():
         version = _run_compiler([*cc, "--version"]).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise NativeUnavailable(f"the native executor could not run the C compiler '{' '.join(cc)}': {e}") from None
-    sources = [src.read_text() for src in SOURCES]
+    sources = [src.read_text() for src in SOURCES + HEADERS]
     key = hashlib.sha256("\0".join([*sources, " ".join(FLAGS + HOST_FLAGS), " ".join(cc), version,
                                     _cpu_signature()]).encode()).hexdigest()[:20]
     name = f"native-{key}.so"

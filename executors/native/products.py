@@ -2,7 +2,7 @@
 
 Small products. BLAS takes other paths for a product of 1 row (GEMV) and of 8 (small-m GEMM,
 at a third of the core's rate), so a batch-8 decode step cost 2-3x what it could and its rows
-rounded unlike batch 1's. In C (gl_matmul_small, kernels.c "small products") every output
+rounded unlike batch 1's. In C (gl_matmul_small, products.c) every output
 element is one fixed sequence of fused multiply-adds that depends on k alone: a row of a batch
 is the bits of that row computed alone, whatever the blocking, the column cut or the thread. On
 n threads they run as n pieces on the C worker team, which takes a piece in a fraction of a
@@ -55,7 +55,7 @@ def small_product_layout(a, b, out):
 def small_matmul_closure(a, b, out):
     """``a @ b -> out`` by the C kernel for products of few rows, or None (small_product_layout).
     Every element is computed the same way whatever the rows around it or the thread (see
-    kernels.c), so the pieces of a split (batch entries or column ranges) are exact. On
+    products.c), so the pieces of a split (batch entries or column ranges) are exact. On
     n threads a product of at least TEAM_MIN_FLOPS runs as n pieces on the C worker team
     (team.c: a piece is handed over in a fraction of a microsecond, where the Python pool
     costs tens), one table of pieces built per n."""

@@ -1,5 +1,5 @@
 /* graphlm's native worker team: C threads that run the pieces of one product beside the calling
- * thread (executors/native/products.py: "small products" run kernels.c's kernels, "BLAS
+ * thread (executors/native/products.py: "small products" run products.c's kernels, "BLAS
  * products" the cblas_sgemm of the BLAS NumPy uses).
  *
  * A decode step's products are 20-300 KFLOP each, a few microseconds, and handing a piece of a
@@ -64,7 +64,7 @@ void gl_cached_attention(const float *q, const float *k, const float *v, const f
 const int64_t gl_team_words[4] = {PIECE_WORDS, SGEMM_WORDS, CALL_INTS, CALL_FLOATS};   /* read by executors/native/team.py */
 
 void gl_sgemm(int64_t sgemm, int64_t width, int ta, int tb, int64_t m, int64_t n, int64_t k, const float *a,
-              int64_t lda, const float *b, int64_t ldb, float *c, int64_t ldc);   /* kernels.c */
+              int64_t lda, const float *b, int64_t ldb, float *c, int64_t ldc);   /* products.c */
 
 static void run_sgemm_calls(const int64_t *p) {
     const int64_t *calls = (const int64_t *)(intptr_t)p[2];

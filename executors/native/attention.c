@@ -1,0 +1,270 @@
+/* graphlm's native attention kernels: causal attention's block steps and the whole kernel
+ * (training, prefill), and a decode step's cached attention (executors/native/attention.py binds
+ * them; kernels.h says what every C file here shares). */
+#include "kernels.h"
+
+/* ---- causal attention's softmax (numpy_executor.py, "causal attention") ------------------ */
+
+/* One query block of `nmat` score matrices, each `rows` x `cols` and contiguous, row i being
+ * query r0 + i: E = exp(s - rowmax) over the keys [0, r0 + i], 0 above the diagonal, in place;
+ * l[m*l_stride + i] = rowsum(E). */
+void gl_causal_softmax_block(float *s, float *l, int64_t nmat, int64_t rows, int64_t cols,
+                             int64_t r0, int64_t l_stride) {
+    for (int64_t m = 0; m < nmat; m++) {
+        for (int64_t i = 0; i < rows; i++) {
+            float *x = s + (m * rows + i) * cols;
+            int64_t valid = r0 + i + 1 < cols ? r0 + i + 1 : cols;
+            float mx = row_max(x, valid);
+            for (int64_t j = 0; j < valid; j++) x[j] = exp_f32(x[j] - mx);
+            for (int64_t j = valid; j < cols; j++) x[j] = 0.0f;
+            l[m * l_stride + i] = row_sum(x, valid);
+        }
+    }
+}
+
+/* The softmax gradient's ds = (s - dd) * E over one query block, in place in s (dd one value
+ * per row, at dd[m*dd_stride + i]): the numpy kernel's two passes, rounded the same way. */
+void gl_softmax_ds_block(float *s, const float *e, const float *dd, int64_t nmat, int64_t rows,
+                         int64_t cols, int64_t dd_stride) {
+    for (int64_t m = 0; m < nmat; m++) {
+        for (int64_t i = 0; i < rows; i++) {
+            float *x = s + (m * rows + i) * cols;
+            const float *er = e + (m * rows + i) * cols;
+            float d = dd[m * dd_stride + i];
+            for (int64_t j = 0; j < cols; j++) x[j] = (x[j] - d) * er[j];
+        }
+    }
+}
+
+/* ---- causal attention whole in C: the numpy kernel's steps, its products as BLAS calls -------- */
+
+/* The numpy attention kernels (executors/numpy/attention.py) run Python between their BLAS calls
+ * and steps, so on n threads their pieces queue for the GIL. These run the same steps for score
+ * matrices [m0, m1) with the products as cblas_sgemm calls of the BLAS NumPy uses (its address in
+ * the plan), one matrix after the other, each computed the same way whatever the range or thread.
+ *
+ * plan (int64 words, built once per node by executors/native/attention.py): t, d, M (matrices of the node),
+ * nb (query blocks), the sgemm's address and integer width (2: 64-bit, 3: 32-bit, as
+ * team.c's piece kinds), whether the products run in C (plan_product), the row strides (floats) of q, k, v and g, the address of a
+ * table of 4 element offsets per matrix (of q, k, v, g), the addresses of the node's arrays
+ * (PLAN_ARRAYS words, in the order each kernel names), then the nb + 1 query block bounds.
+ * Arrays other than q, k, v and g hold their matrices contiguously, matrix after matrix. Block b
+ * of matrix m of a score buffer (E, ds) is (r1 - r0) x r1 floats at M * (the sizes of the blocks
+ * before b) + m * (r1 - r0) * r1 (graphlm.ops.causal_attention_keep_layout). */
+enum { P_T, P_D, P_M, P_NB, P_SGEMM, P_KIND, P_OWN, P_LD, P_OFFSETS = P_LD + 4, P_ARRAYS, PLAN_ARRAYS = 12,
+       P_BOUNDS = P_ARRAYS + PLAN_ARRAYS };
+const int64_t gl_attention_plan_arrays = PLAN_ARRAYS;   /* read by executors/native/attention.py */
+
+#define PACK_FLOATS 65536   /* per thread and operand: a transposed operand of an attention product */
+static _Thread_local float pack_a[PACK_FLOATS], pack_b[PACK_FLOATS];
+
+/* x [rows, cols] at row stride ld, transposed into xt [cols, rows] (contiguous) */
+static void transpose_into(const float *x, int64_t rows, int64_t cols, int64_t ld, float *xt) {
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t j = 0; j < cols; j++) xt[j * rows + i] = x[i * ld + j];
+}
+
+/* An attention plan's product c = op(a) @ op(b) (gl_sgemm's arguments). Where the plan says so
+ * (P_OWN) and a transposed operand fits PACK_FLOATS, in C: the transposed operands packed, then
+ * the small products' NN kernel (8 x 32 register blocks; each element one chain of fused
+ * multiply-adds over k in order): score blocks are small (64 x 64 to 64 x 1024, k = d), where
+ * a BLAS call's own packing and dispatch weigh (docs/performance.md); else by the plan's sgemm. */
+static void plan_product(const int64_t *plan, int ta, int tb, int64_t m, int64_t n, int64_t k, const float *a,
+                         int64_t lda, const float *b, int64_t ldb, float *c, int64_t ldc) {
+    if (!plan[P_OWN] || (ta && m * k > PACK_FLOATS) || (tb && k * n > PACK_FLOATS)) {
+        gl_sgemm(plan[P_SGEMM], plan[P_KIND], ta, tb, m, n, k, a, lda, b, ldb, c, ldc);
+        return;
+    }
+    if (ta) {   /* a is stored [k, m] */
+        transpose_into(a, k, m, lda, pack_a);
+        a = pack_a, lda = k;
+    }
+    if (tb) {   /* b is stored [n, k] */
+        transpose_into(b, n, k, ldb, pack_b);
+        b = pack_b, ldb = n;
+    }
+    nn_product(a, b, c, m, k, lda, ldb, ldc, 0, n);
+}
+
+static float *plan_array(const int64_t *plan, int i) { return (float *)(intptr_t)plan[P_ARRAYS + i]; }
+
+/* matrix m's query block b in the score buffer `e` */
+static float *score_block(float *e, const int64_t *plan, int64_t b, int64_t m) {
+    const int64_t *bound = plan + P_BOUNDS;
+    int64_t before = 0;
+    for (int64_t i = 0; i < b; i++) before += (bound[i + 1] - bound[i]) * bound[i + 1];
+    return e + plan[P_M] * before + m * (bound[b + 1] - bound[b]) * bound[b + 1];
+}
+
+/* Forward, arrays q, k, v, o, E, l (t per matrix), qs (q * scale): per query block
+ * E = exp(qs @ k^T - rowmax) under the causal mask (gl_causal_softmax_block), l = rowsum(E),
+ * o = E @ v; then o /= l. */
+void gl_causal_attention(const int64_t *plan, int64_t m0, int64_t m1, float scale) {
+    const int64_t t = plan[P_T], d = plan[P_D], nb = plan[P_NB], *ld = plan + P_LD, *bound = plan + P_BOUNDS;
+    const int64_t *offsets = (const int64_t *)(intptr_t)plan[P_OFFSETS];
+    for (int64_t m = m0; m < m1; m++) {
+        const int64_t *off = offsets + 4 * m;
+        const float *qm = plan_array(plan, 0) + off[0], *km = plan_array(plan, 1) + off[1];
+        const float *vm = plan_array(plan, 2) + off[2];
+        float *om = plan_array(plan, 3) + m * t * d, *e = plan_array(plan, 4);
+        float *lm = plan_array(plan, 5) + m * t, *qsm = plan_array(plan, 6) + m * t * d;
+        for (int64_t i = 0; i < t; i++)
+            for (int64_t j = 0; j < d; j++) qsm[i * d + j] = qm[i * ld[0] + j] * scale;
+        for (int64_t b = 0; b < nb; b++) {
+            int64_t r0 = bound[b], r1 = bound[b + 1];
+            float *x = score_block(e, plan, b, m);
+            plan_product(plan, 0, 1, r1 - r0, r1, d, qsm + r0 * d, d, km, ld[1], x, r1);
+            gl_causal_softmax_block(x, lm + r0, 1, r1 - r0, r1, r0, 0);
+            plan_product(plan, 0, 0, r1 - r0, d, r1, x, r1, vm, ld[2], om + r0 * d, d);
+        }
+        for (int64_t i = 0; i < t; i++)
+            for (int64_t j = 0; j < d; j++) om[i * d + j] /= lm[i];
+    }
+}
+
+/* Backward from the kept E and l, arrays q, k, v, o, g, E, l, out (dq, dk, dv: the node's
+ * [3, ...] output), ds (a score buffer), gs, tmp (t x d per matrix), dd (t per matrix):
+ *   dd = rowsum(g*o) / l,  gs = g / l,  per block: ds = (gs @ v^T - dd) * E (gl_softmax_ds_block),
+ *   dq = ds @ k;  dk = the sum over blocks of ds^T @ q, dv of E^T @ gs (the last block writes,
+ *   the others add, from the last to the first);  dq, dk times the scale. */
+void gl_causal_attention_backward(const int64_t *plan, int64_t m0, int64_t m1, float scale) {
+    const int64_t t = plan[P_T], d = plan[P_D], nm = plan[P_M], nb = plan[P_NB];
+    const int64_t *ld = plan + P_LD, *bound = plan + P_BOUNDS;
+    const int64_t *offsets = (const int64_t *)(intptr_t)plan[P_OFFSETS];
+    for (int64_t m = m0; m < m1; m++) {
+        const int64_t *off = offsets + 4 * m;
+        const float *qm = plan_array(plan, 0) + off[0], *km = plan_array(plan, 1) + off[1];
+        const float *vm = plan_array(plan, 2) + off[2], *om = plan_array(plan, 3) + m * t * d;
+        const float *gm = plan_array(plan, 4) + off[3], *e = plan_array(plan, 5);
+        const float *lm = plan_array(plan, 6) + m * t;
+        float *out = plan_array(plan, 7), *ds = plan_array(plan, 8);
+        float *dq = out + m * t * d, *dk = out + (nm + m) * t * d, *dv = out + (2 * nm + m) * t * d;
+        float *gs = plan_array(plan, 9) + m * t * d, *tmp = plan_array(plan, 10) + m * t * d;
+        float *dd = plan_array(plan, 11) + m * t;
+        for (int64_t i = 0; i < t; i++) {
+            float acc = 0.0f;
+            for (int64_t j = 0; j < d; j++) acc += gm[i * ld[3] + j] * om[i * d + j];
+            dd[i] = acc / lm[i];
+            for (int64_t j = 0; j < d; j++) gs[i * d + j] = gm[i * ld[3] + j] / lm[i];
+        }
+        for (int64_t b = nb - 1; b >= 0; b--) {
+            int64_t r0 = bound[b], r1 = bound[b + 1], last = b == nb - 1;
+            float *s = score_block(ds, plan, b, m);
+            const float *x = score_block((float *)e, plan, b, m);
+            plan_product(plan, 0, 1, r1 - r0, r1, d, gs + r0 * d, d, vm, ld[2], s, r1);
+            gl_softmax_ds_block(s, x, dd + r0, 1, r1 - r0, r1, 0);
+            plan_product(plan, 0, 0, r1 - r0, d, r1, s, r1, km, ld[1], dq + r0 * d, d);
+            plan_product(plan, 1, 0, r1, d, r1 - r0, s, r1, qm + r0 * ld[0], ld[0], last ? dk : tmp, d);
+            if (!last)
+                for (int64_t i = 0; i < r1 * d; i++) dk[i] += tmp[i];
+            plan_product(plan, 1, 0, r1, d, r1 - r0, x, r1, gs + r0 * d, d, last ? dv : tmp, d);
+            if (!last)
+                for (int64_t i = 0; i < r1 * d; i++) dv[i] += tmp[i];
+        }
+        for (int64_t i = 0; i < t * d; i++) {
+            dq[i] *= scale;
+            dk[i] *= scale;
+        }
+    }
+}
+
+/* ---- cached attention: one decode step against the KV cache (graphlm.ops.cached_attention) ---- */
+
+/* Two steps of a row, each in one fixed order (the AVX-512 code and the plain C below round alike):
+ *   scores:  s_c = q . key_c for up to 16 keys, each dot as the small products' NT kernel
+ *            computes it (16 lane sums over d, then their tree: nt_lanes, lanes_tree);
+ *   values:  o = (((a_0 + a_1) + (a_2 + a_3)) + e_p * v) / l per column, a_u the multiply-add
+ *            chain of e_j * cv[j] over the cached slots j = u mod 4, j < p, in order (four chains
+ *            side by side). */
+#if defined(__AVX512F__) && defined(__FMA__)
+/* s[0..n) = q . key[c] (n <= 16; the unused lanes read q and are not stored) */
+static inline void attention_dots(const float *q, const float *const key[16], int n, int64_t d, float *s) {
+    const float *row[16];
+    for (int c = 0; c < 16; c++) row[c] = c < n ? key[c] : q;
+    __m512 acc[16];
+    for (int c = 0; c < 16; c++) acc[c] = _mm512_setzero_ps();
+    int64_t p = 0;
+    for (; p + 16 <= d; p += 16) {
+        __m512 x = _mm512_loadu_ps(q + p);
+        for (int c = 0; c < 16; c++)   /* key c's sums in the reduction's source of lane c */
+            acc[4 * (c % 4) + c / 4] = _mm512_fmadd_ps(x, _mm512_loadu_ps(row[c] + p), acc[4 * (c % 4) + c / 4]);
+    }
+    if (p < d) {
+        __mmask16 mask = (__mmask16)((1u << (d - p)) - 1u);
+        __m512 x = _mm512_maskz_loadu_ps(mask, q + p);
+        for (int c = 0; c < 16; c++)
+            acc[4 * (c % 4) + c / 4] = _mm512_mask3_fmadd_ps(x, _mm512_maskz_loadu_ps(mask, row[c] + p),
+                                                             acc[4 * (c % 4) + c / 4], mask);
+    }
+    _mm512_mask_storeu_ps(s, (__mmask16)((1u << n) - 1u), nt_reduce16(acc));
+}
+
+/* columns [0, w) of the row's output, w <= 16 (see above) */
+static inline void attention_values(const float *e, const float *cv, const float *v, float *o,
+                                    int64_t p, int64_t d, float l, int64_t w) {
+    __mmask16 mask = (__mmask16)((1u << w) - 1u);
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;   /* (named: kept in registers) */
+#define VALUE_TERM(acc, j) acc = _mm512_fmadd_ps(_mm512_set1_ps(e[j]), _mm512_maskz_loadu_ps(mask, cv + (j) * d), acc)
+    int64_t j = 0;
+    for (; j + 4 <= p; j += 4) {
+        VALUE_TERM(a0, j); VALUE_TERM(a1, j + 1); VALUE_TERM(a2, j + 2); VALUE_TERM(a3, j + 3);
+    }
+    if (j < p) VALUE_TERM(a0, j);
+    if (j + 1 < p) VALUE_TERM(a1, j + 1);
+    if (j + 2 < p) VALUE_TERM(a2, j + 2);
+#undef VALUE_TERM
+    __m512 sum = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
+    sum = _mm512_fmadd_ps(_mm512_set1_ps(e[p]), _mm512_maskz_loadu_ps(mask, v), sum);
+    _mm512_mask_storeu_ps(o, mask, _mm512_div_ps(sum, _mm512_set1_ps(l)));
+}
+#else
+static inline void attention_dots(const float *q, const float *const key[16], int n, int64_t d, float *s) {
+    for (int c = 0; c < n; c++) {
+        float acc[16] = {0};
+        nt_lanes(q, key[c], d, acc);
+        s[c] = lanes_tree(acc);
+    }
+}
+
+static inline void attention_values(const float *e, const float *cv, const float *v, float *o,
+                                    int64_t p, int64_t d, float l, int64_t w) {
+    for (int64_t i = 0; i < w; i++) {
+        float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int64_t j = 0; j < p; j++) a[j % 4] = MADD(e[j], cv[j * d + i], a[j % 4]);
+        o[i] = MADD(e[p], v[i], (a[0] + a[1]) + (a[2] + a[3])) / l;
+    }
+}
+#endif
+
+/* Rows [r0, r1) of a decode step's attention (a row: one batch row's head). Row r's query, new
+ * key, new value and output are d floats at q + r*ldq, k + r*ldk, v + r*ldv, out + r*ldo; its
+ * caches are t x d floats at ck + r*ldc, cv + r*ldc. With p = *position (0 <= p < t, checked by
+ * the caller), only the cached slots j < p are read:
+ *   s_j = (q . ck[j]) * scale (j < p),  s_p = (q . k) * scale   (attention_dots),
+ *   e_j = exp_f32(s_j - max_j s_j),  l = row_sum(e_0..e_p),
+ *   out = (e_0 cv[0] + ... + e_{p-1} cv[p-1] + e_p v) / l   (attention_values).
+ * `scores` holds t + 1 floats per row (row r at scores + r*(t+1)). Each row is one fixed sequence
+ * of roundings that depends on p and d alone (a slot's score on d alone), so its bits do not
+ * depend on the rows around it or the thread. */
+void gl_cached_attention(const float *q, const float *k, const float *v, const float *ck,
+                         const float *cv, float *out, float *scores, const int64_t *position,
+                         int64_t r0, int64_t r1, int64_t t, int64_t d, int64_t ldq, int64_t ldk,
+                         int64_t ldv, int64_t ldo, int64_t ldc, float scale) {
+    const int64_t p = *position;
+    for (int64_t r = r0; r < r1; r++) {
+        const float *qr = q + r * ldq, *kc = ck + r * ldc, *vc = cv + r * ldc;
+        float *s = scores + r * (t + 1), *o = out + r * ldo;
+        for (int64_t j0 = 0; j0 <= p; j0 += 16) {   /* the slots j < p, then the new key */
+            const float *key[16];
+            int n = p + 1 - j0 < 16 ? (int)(p + 1 - j0) : 16;
+            for (int c = 0; c < n; c++) key[c] = j0 + c < p ? kc + (j0 + c) * d : k + r * ldk;
+            attention_dots(qr, key, n, d, s + j0);
+        }
+        for (int64_t j = 0; j <= p; j++) s[j] = s[j] * scale;
+        const float m = row_max(s, p + 1);
+        for (int64_t j = 0; j <= p; j++) s[j] = exp_f32(s[j] - m);
+        const float l = row_sum(s, p + 1);
+        for (int64_t i = 0; i < d; i += 16)
+            attention_values(s, vc + i, v + r * ldv + i, o + i, p, d, l, d - i < 16 ? d - i : 16);
+    }
+}

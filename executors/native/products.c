@@ -1,0 +1,254 @@
+/* graphlm's native products: matmuls of few rows in C (decoding, short prefills) and the one BLAS
+ * call made from C (executors/native/products.py binds them; kernels.h says what every C file
+ * here shares). */
+#include "kernels.h"
+
+enum { CBLAS_ROW_MAJOR = 101, CBLAS_NO = 111, CBLAS_T = 112 };   /* CBLAS's enum values */
+typedef void (*sgemm64_fn)(int, int, int, int64_t, int64_t, int64_t, float, const float *, int64_t,
+                           const float *, int64_t, float, float *, int64_t);
+typedef void (*sgemm32_fn)(int, int, int, int32_t, int32_t, int32_t, float, const float *, int32_t,
+                           const float *, int32_t, float, float *, int32_t);
+
+/* c = op(a) @ op(b) by the cblas_sgemm at `sgemm` (op(a) m x k, op(b) k x n; row-major, alpha 1,
+ * beta 0; ta / tb: that operand transposed); `width` 2: it takes 64-bit integers, 3: 32-bit (the
+ * team's piece kinds). The one place graphlm calls a BLAS from C (team.c's BLAS pieces too). */
+void gl_sgemm(int64_t sgemm, int64_t width, int ta, int tb, int64_t m, int64_t n, int64_t k, const float *a,
+              int64_t lda, const float *b, int64_t ldb, float *c, int64_t ldc) {
+    int oa = ta ? CBLAS_T : CBLAS_NO, ob = tb ? CBLAS_T : CBLAS_NO;
+    if (width == 2)
+        ((sgemm64_fn)(intptr_t)sgemm)(CBLAS_ROW_MAJOR, oa, ob, m, n, k, 1.0f, a, lda, b, ldb, 0.0f, c, ldc);
+    else
+        ((sgemm32_fn)(intptr_t)sgemm)(CBLAS_ROW_MAJOR, oa, ob, (int32_t)m, (int32_t)n, (int32_t)k, 1.0f,
+                                      a, (int32_t)lda, b, (int32_t)ldb, 0.0f, c, (int32_t)ldc);
+}
+/* ---- small products: matmuls of few rows (executors/native/products.py) --------- */
+
+/* out[e] = a[e] @ b[e] for the batch entries e in [e0, e1), over the columns [j0, j1) of each.
+ * Entry e's operands start at a + offsets[3e], b + offsets[3e + 1], out + offsets[3e + 2]
+ * (element offsets: any broadcast or stride of the batch axes); a is [m, k] with rows lda
+ * apart, out [m, n] with rows ldo apart; b is [k, n] with rows ldb apart (gl_matmul_small) or
+ * given as its transpose bt [n, k] with rows ldb apart (gl_matmul_small_nt: b = bt^T, as a key
+ * cache read by a query). Elements are contiguous along each row.
+ *
+ * Every output element is computed by one fixed sequence of roundings that depends on k alone:
+ *   NN: acc = 0; acc = MADD(a[i][p], b[p][j], acc) for p = 0, 1, ..., k-1;
+ *   NT: 16 lane sums, lane l taking p = l, l+16, ... in order (as NN), then summed as a tree
+ *       (lane l + lane l+8, then +4, +2, +1).
+ * So a row's values are the same bits whatever m (decoding 8 rows or 1), the blocking below,
+ * the column range or the thread computing it. The blocks only choose which accumulators live
+ * in registers together: R rows x W columns, b's row read once for all R rows. */
+
+#define NN_BLOCK(R, W)                                                                          \
+    static inline void nn_block_##R##x##W(const float *a, const float *b, float *o, int64_t k,  \
+                                          int64_t lda, int64_t ldb, int64_t ldo) {              \
+        float acc[R][W];                                                                        \
+        for (int r = 0; r < R; r++)                                                             \
+            for (int j = 0; j < W; j++) acc[r][j] = 0.0f;                                       \
+        for (int64_t p = 0; p < k; p++) {                                                       \
+            const float *bp = b + p * ldb;                                                      \
+            for (int j = 0; j < W; j += 16) __builtin_prefetch(bp + W + j); /* the next block */ \
+            for (int r = 0; r < R; r++) {                                                       \
+                float ar = a[r * lda + p];                                                      \
+                for (int j = 0; j < W; j++) acc[r][j] = MADD(ar, bp[j], acc[r][j]);             \
+            }                                                                                   \
+        }                                                                                       \
+        for (int r = 0; r < R; r++)                                                             \
+            for (int j = 0; j < W; j++) o[r * ldo + j] = acc[r][j];                             \
+    }
+NN_BLOCK(8, 32)
+NN_BLOCK(4, 64)
+NN_BLOCK(2, 64)
+NN_BLOCK(1, 256)
+NN_BLOCK(1, 128)
+NN_BLOCK(1, 64)
+NN_BLOCK(1, 16)
+
+/* `rows` rows x `w` columns (a block's ragged right edge), 16 columns at a time */
+static void nn_edge(const float *a, const float *b, float *o, int64_t rows, int64_t k, int64_t w,
+                    int64_t lda, int64_t ldb, int64_t ldo) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j0 = 0; j0 < w; j0 += 16) {
+            int64_t cols = w - j0 < 16 ? w - j0 : 16;
+            float acc[16];
+            for (int64_t j = 0; j < cols; j++) acc[j] = 0.0f;
+            for (int64_t p = 0; p < k; p++) {
+                float ar = a[r * lda + p];
+                const float *bp = b + p * ldb + j0;
+                for (int64_t j = 0; j < cols; j++) acc[j] = MADD(ar, bp[j], acc[j]);
+            }
+            for (int64_t j = 0; j < cols; j++) o[r * ldo + j0 + j] = acc[j];
+        }
+}
+
+/* rows [i, i + R) of one product, columns [j0, j1): W-wide blocks, then the edge */
+#define NN_ROWS(R, W)                                                                           \
+    for (; i + R <= m; i += R) {                                                                \
+        int64_t j = j0;                                                                         \
+        for (; j + W <= j1; j += W) nn_block_##R##x##W(a + i * lda, b + j, o + i * ldo + j, k, lda, ldb, ldo); \
+        if (j < j1) nn_edge(a + i * lda, b + j, o + i * ldo + j, R, k, j1 - j, lda, ldb, ldo);  \
+    }
+
+void nn_product(const float *a, const float *b, float *o, int64_t m, int64_t k,
+                int64_t lda, int64_t ldb, int64_t ldo, int64_t j0, int64_t j1) {
+    int64_t i = 0;
+    NN_ROWS(8, 32)
+    NN_ROWS(4, 64)
+    NN_ROWS(2, 64)
+    if (i < m) {   /* the last row: blocks as wide as fit (a block's k-long chains are its latency) */
+        int64_t j = j0;
+        const float *ai = a + i * lda;
+        float *oi = o + i * ldo;
+        for (; j + 256 <= j1; j += 256) nn_block_1x256(ai, b + j, oi + j, k, lda, ldb, ldo);
+        if (j + 128 <= j1) { nn_block_1x128(ai, b + j, oi + j, k, lda, ldb, ldo); j += 128; }
+        if (j + 64 <= j1) { nn_block_1x64(ai, b + j, oi + j, k, lda, ldb, ldo); j += 64; }
+        for (; j + 16 <= j1; j += 16) nn_block_1x16(ai, b + j, oi + j, k, lda, ldb, ldo);
+        if (j < j1) nn_edge(ai, b + j, oi + j, 1, k, j1 - j, lda, ldb, ldo);
+    }
+}
+
+/* one row x 32 columns of Q products at once (entry q's a, b, out at a[q], b[q], o[q]): 2Q
+ * independent accumulator chains where one product has two (a query's read of the value cache) */
+static inline __attribute__((always_inline)) void nn_entries_1x32(const float *const a[4],
+        const float *const b[4], float *const o[4], int64_t k, int64_t ldb, const int Q) {
+    float acc[4][32];
+    for (int q = 0; q < Q; q++)
+        for (int j = 0; j < 32; j++) acc[q][j] = 0.0f;
+    for (int64_t p = 0; p < k; p++)
+        for (int q = 0; q < Q; q++) {
+            float ap = a[q][p];
+            const float *bp = b[q] + p * ldb;
+            for (int j = 0; j < 32; j++) acc[q][j] = MADD(ap, bp[j], acc[q][j]);
+        }
+    for (int q = 0; q < Q; q++)
+        for (int j = 0; j < 32; j++) o[q][j] = acc[q][j];
+}
+
+void gl_matmul_small(const float *a, const float *b, float *o, const int64_t *offsets, int64_t e0,
+                     int64_t e1, int64_t m, int64_t k, int64_t lda, int64_t ldb, int64_t ldo,
+                     int64_t j0, int64_t j1) {
+    int64_t e = e0;
+    if (m == 1 && j1 - j0 < 128)   /* one row of few columns: four (or two) entries at a time */
+        for (int Q = 4; Q >= 2; Q /= 2)
+            for (; e + Q <= e1; e += Q) {
+                const int64_t *f = offsets + 3 * e;
+                int64_t j = j0;
+                for (; j + 32 <= j1; j += 32) {
+                    const float *aq[4], *bq[4];
+                    float *oq[4];
+                    for (int q = 0; q < Q; q++) {
+                        aq[q] = a + f[3 * q];
+                        bq[q] = b + f[3 * q + 1] + j;
+                        oq[q] = o + f[3 * q + 2] + j;
+                    }
+                    if (Q == 4) nn_entries_1x32(aq, bq, oq, k, ldb, 4);
+                    else nn_entries_1x32(aq, bq, oq, k, ldb, 2);
+                }
+                for (int q = 0; q < Q && j < j1; q++)
+                    nn_product(a + f[3 * q], b + f[3 * q + 1], o + f[3 * q + 2], 1, k, lda, ldb, ldo, j, j1);
+            }
+    for (; e < e1; e++)
+        nn_product(a + offsets[3 * e], b + offsets[3 * e + 1], o + offsets[3 * e + 2], m, k, lda,
+                   ldb, ldo, j0, j1);
+}
+
+
+/* NT, rows [i0, i1) x columns [j0, j1) of one product, one dot product at a time */
+static void nt_scalar(const float *a, const float *bt, float *o, int64_t i0, int64_t i1,
+                      int64_t j0, int64_t j1, int64_t k, int64_t lda, int64_t ldb, int64_t ldo) {
+    for (int64_t i = i0; i < i1; i++)
+        for (int64_t j = j0; j < j1; j++) {
+            float acc[16] = {0};
+            nt_lanes(a + i * lda, bt + j * ldb, k, acc);
+            o[i * ldo + j] = lanes_tree(acc);
+        }
+}
+
+#if defined(__AVX512F__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* bt is prefetched this many elements (16 KB) ahead of the block reading it, in whole rows:
+ * weights come from L3 (-35 % at batch 8), and a prefetch further ahead than L1 holds evicts
+ * the rows of a that every block reads (k = 768: 16 rows ahead was 48 KB, 2x slower) */
+#define NT_AHEAD_ELEMENTS 2048
+
+/* v's lanes from `first` on, moved down to lane 0 */
+static inline __m512 lanes_from(int first, __m512 v) {
+    return _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                  _mm512_set1_epi32(first)), v);
+}
+
+/* NT block of R rows x J columns (R*J = 16): out[r][c] for its 16 dot products */
+static inline __attribute__((always_inline)) void nt_block(const float *a, const float *bt,
+        float *o, int64_t k, int64_t lda, int64_t ldb, int64_t ldo, const int R, const int J) {
+    __m512 acc[16], x[8], y[16];
+    for (int s = 0; s < 16; s++) acc[s] = _mm512_setzero_ps();
+    const int64_t ahead = (NT_AHEAD_ELEMENTS / ldb > J ? NT_AHEAD_ELEMENTS / ldb : J) * ldb;
+    int64_t p = 0;
+    for (; p + 16 <= k; p += 16) {
+        for (int r = 0; r < R; r++) x[r] = _mm512_loadu_ps(a + r * lda + p);
+        for (int c = 0; c < J; c++) {
+            y[c] = _mm512_loadu_ps(bt + c * ldb + p);
+            __asm__("" : "+v"(y[c]));   /* in a register: the compiler would reload it per row */
+            _mm_prefetch((const char *)(bt + c * ldb + ahead + p), _MM_HINT_T0);
+        }
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < J; c++) {   /* lane sum s: the reduction's source of lane r*J + c */
+                int L = r * J + c, s = 4 * (L % 4) + L / 4;
+                acc[s] = _mm512_fmadd_ps(x[r], y[c], acc[s]);
+            }
+    }
+    if (p < k) {   /* the last k % 16 terms, in lanes 0.. (the others left as they are) */
+        __mmask16 mask = (__mmask16)((1u << (k - p)) - 1u);
+        for (int r = 0; r < R; r++) x[r] = _mm512_maskz_loadu_ps(mask, a + r * lda + p);
+        for (int c = 0; c < J; c++) y[c] = _mm512_maskz_loadu_ps(mask, bt + c * ldb + p);
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < J; c++) {
+                int L = r * J + c, s = 4 * (L % 4) + L / 4;
+                acc[s] = _mm512_mask3_fmadd_ps(x[r], y[c], acc[s], mask);
+            }
+    }
+    __m512 sums = nt_reduce16(acc);   /* lane r*J + c: out[r][c] */
+    for (int r = 0; r < R; r++) {
+        __m512 row = r ? lanes_from(r * J, sums) : sums;
+        _mm512_mask_storeu_ps(o + r * ldo, (__mmask16)((1u << J) - 1u), row);
+    }
+}
+
+#define NT_ROWS(R, J)                                                                           \
+    for (; i + R <= m; i += R) {                                                                \
+        int64_t j = j0;                                                                         \
+        for (; j + J <= j1; j += J) nt_block(ae + i * lda, be + j * ldb, oe + i * ldo + j, k, lda, ldb, ldo, R, J); \
+        nt_scalar(ae, be, oe, i, i + R, j, j1, k, lda, ldb, ldo);                               \
+    }
+
+/* the columns [j0, j1) of one product: per 4 columns, all row blocks of 4 (b's rows stay in L1) */
+static void nt_product(const float *ae, const float *be, float *oe, int64_t m, int64_t k,
+                       int64_t lda, int64_t ldb, int64_t ldo, int64_t j0, int64_t j1) {
+    if (m >= 4) {
+        int64_t j = j0;
+        for (; j + 4 <= j1; j += 4) {
+            int64_t i = 0;
+            for (; i + 4 <= m; i += 4) nt_block(ae + i * lda, be + j * ldb, oe + i * ldo + j, k, lda, ldb, ldo, 4, 4);
+            for (; i < m; i++) nt_scalar(ae, be, oe, i, i + 1, j, j + 4, k, lda, ldb, ldo);
+        }
+        nt_scalar(ae, be, oe, 0, m, j, j1, k, lda, ldb, ldo);
+        return;
+    }
+    int64_t i = 0;
+    NT_ROWS(2, 8)
+    NT_ROWS(1, 4)   /* one row: 4 rows of bt at a time, 4 streams from memory (16 was 7 % slower at batch 1) */
+}
+#else
+static void nt_product(const float *ae, const float *be, float *oe, int64_t m, int64_t k,
+                       int64_t lda, int64_t ldb, int64_t ldo, int64_t j0, int64_t j1) {
+    nt_scalar(ae, be, oe, 0, m, j0, j1, k, lda, ldb, ldo);
+}
+#endif
+
+void gl_matmul_small_nt(const float *a, const float *bt, float *o, const int64_t *offsets,
+                        int64_t e0, int64_t e1, int64_t m, int64_t k, int64_t lda, int64_t ldb,
+                        int64_t ldo, int64_t j0, int64_t j1) {
+    for (int64_t e = e0; e < e1; e++)
+        nt_product(a + offsets[3 * e], bt + offsets[3 * e + 1], o + offsets[3 * e + 2], m, k, lda,
+                   ldb, ldo, j0, j1);
+}
