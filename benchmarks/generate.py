@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from graphlm import executors  # noqa: E402,F401  (registers the executors)
 from graphlm.backends import get_executor  # noqa: E402
+from graphlm.executors.numpy.pool import blas_core  # noqa: E402
 from graphlm.ir import Graph  # noqa: E402
 from graphlm.models import GPT, GPTConfig  # noqa: E402
 from graphlm.sample import Generator  # noqa: E402
@@ -286,7 +287,7 @@ def main(argv=None) -> int:
     agree = {k: tokens[k] == tokens["torch_kv_cache"] for k in tokens}
     result = {"executor": EXECUTOR, "clock": args.clock, "config": config.to_dict(), "prompt_length": args.prompt_length,
               "new_tokens": args.new_tokens, "threads": args.threads, "repeats": args.repeats,
-              "same_greedy_tokens_as_torch": agree, "variants": {}}
+              "same_greedy_tokens_as_torch": agree, "numpy_blas_core": blas_core(), "variants": {}}
     for name in variants:
         ms = statistics.median(per_token[name]) * 1e3
         rows = b if name.endswith(f"_batch{b}") else 1

@@ -1,10 +1,10 @@
 """The native executor: the numpy executor with its hot float32 kernels in C.
 
 ``executors.get("native")`` plans memory and fuses exactly as the numpy executor does (it is a
-`NumpyProgram` with another kernel table): the same arena, the same schedule, NumPy and BLAS for
-the matmuls of many rows, cut over threads where the numpy executor cuts them (but run on the C
-worker team, not on the Python pool). What changes is the kernels, each one fused pass in C over
-the planned float32 arrays instead of several NumPy passes. A kernel whose arrays are not
+`NumpyProgram` with another kernel table): the same arena, the same schedule. What changes is
+the kernels, each one fused pass in C over the planned float32 arrays instead of several NumPy
+passes, and the float32 matmuls, in C too (NumPy's BLAS where a layout does not suit them), cut
+over threads on the C worker team, not on the Python pool. A kernel whose arrays are not
 float32 and C-contiguous runs the numpy executor's kernel (they ask for the same scratch, so
 either fits the plan).
 
@@ -22,12 +22,12 @@ Where things live:
   kernel of an op).
 - kernel families: kernels.py (exp, GELU, softmax, layer norm, dropout, AdamW), attention.py
   (causal attention whole in C, a decode step's cached attention), products.py (products of
-  few rows in C, BLAS products cut over the team).
+  few rows and large products in C, BLAS products cut over the team).
 - program.py: `NativeProgram` and `NativeExecutor`.
 
 Rounding. Dropout, AdamW and the attention gradient's ds step compute exactly what the numpy
 executor computes (same operations in the same order, compiled with -ffp-contract=off); tests
-check them bit for bit. exp, GELU, layer norm, the attention softmax and the small products
+check them bit for bit. exp, GELU, layer norm, the attention softmax and the float32 products
 round their own way (another exp, sums in another order) and say so where they are registered
 (`native_kernel(..., rounds_own_way=...)`): `NativeProgram.rounds_like_reference` is then False
 and tests compare them with the reference within float32 tolerances. No result depends on the

@@ -62,6 +62,7 @@ SIGNATURES = {   # C function -> argument types (every function returns void)
     "gl_adamw": (_P, _P, _P, _P, _I, _F, _INT, _F, _F, _F, _F, _F, _F, _F, _F),
     "gl_matmul_small": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I),
     "gl_matmul_small_nt": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I),
+    "gl_matmul_large": (_P, _I, _I, _I, _I, _I, _I),
     "gl_team_run": (_P, _I),
     "gl_cached_attention": (_P,) * 8 + (_I,) * 9 + (_F,),
     "gl_causal_attention": (_P, _I, _I, _F),
@@ -91,6 +92,12 @@ def _cpu_signature() -> str:
     except OSError:
         pass
     return platform.machine() + platform.processor()
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo names them ("avx512f", ...); empty where unknown."""
+    line = _cpu_signature()
+    return set(line.split(":", 1)[1].split()) if line.startswith(("flags", "Features")) else set()
 
 
 def _run_compiler(cmd: list[str]) -> subprocess.CompletedProcess:

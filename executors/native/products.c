@@ -1,6 +1,6 @@
-/* graphlm's native products: matmuls of few rows in C (decoding, short prefills) and the one BLAS
- * call made from C (executors/native/products.py binds them; kernels.h says what every C file
- * here shares). */
+/* graphlm's native products: matmuls of few rows (decoding, short prefills), large products
+ * (training, long prefills) by the same NN kernel, and the one BLAS call made from C
+ * (executors/native/products.py binds them; kernels.h says what every C file here shares). */
 #include "kernels.h"
 
 enum { CBLAS_ROW_MAJOR = 101, CBLAS_NO = 111, CBLAS_T = 112 };   /* CBLAS's enum values */
@@ -38,17 +38,22 @@ void gl_sgemm(int64_t sgemm, int64_t width, int ta, int tb, int64_t m, int64_t n
  * the column range or the thread computing it. The blocks only choose which accumulators live
  * in registers together: R rows x W columns, b's row read once for all R rows. */
 
+/* Element (r, p) of a is a[r * sai + p * sap]: sap = 1 for a's rows contiguous (nn_product),
+ * sai = 1 for a transposed view (a weight gradient's g^T). A block starts its chains from 0, or
+ * with `more` from the values in o (a large product's next run of p: the same chains, stopped and
+ * resumed). The blocks are always inlined into nn_rows' callers, each compiled for its constants. */
 #define NN_BLOCK(R, W)                                                                          \
-    static inline void nn_block_##R##x##W(const float *a, const float *b, float *o, int64_t k,  \
-                                          int64_t lda, int64_t ldb, int64_t ldo) {              \
+    static inline __attribute__((always_inline)) void nn_block_##R##x##W(const float *a,        \
+            const float *b, float *o, int64_t k, int64_t sai, int64_t sap, int64_t ldb, int64_t ldo, \
+            int more) {                                                                         \
         float acc[R][W];                                                                        \
         for (int r = 0; r < R; r++)                                                             \
-            for (int j = 0; j < W; j++) acc[r][j] = 0.0f;                                       \
+            for (int j = 0; j < W; j++) acc[r][j] = more ? o[r * ldo + j] : 0.0f;               \
         for (int64_t p = 0; p < k; p++) {                                                       \
             const float *bp = b + p * ldb;                                                      \
             for (int j = 0; j < W; j += 16) __builtin_prefetch(bp + W + j); /* the next block */ \
             for (int r = 0; r < R; r++) {                                                       \
-                float ar = a[r * lda + p];                                                      \
+                float ar = a[r * sai + p * sap];                                                \
                 for (int j = 0; j < W; j++) acc[r][j] = MADD(ar, bp[j], acc[r][j]);             \
             }                                                                                   \
         }                                                                                       \
@@ -64,15 +69,15 @@ NN_BLOCK(1, 64)
 NN_BLOCK(1, 16)
 
 /* `rows` rows x `w` columns (a block's ragged right edge), 16 columns at a time */
-static void nn_edge(const float *a, const float *b, float *o, int64_t rows, int64_t k, int64_t w,
-                    int64_t lda, int64_t ldb, int64_t ldo) {
+static inline __attribute__((always_inline)) void nn_edge(const float *a, const float *b, float *o,
+        int64_t rows, int64_t k, int64_t w, int64_t sai, int64_t sap, int64_t ldb, int64_t ldo, int more) {
     for (int64_t r = 0; r < rows; r++)
         for (int64_t j0 = 0; j0 < w; j0 += 16) {
             int64_t cols = w - j0 < 16 ? w - j0 : 16;
             float acc[16];
-            for (int64_t j = 0; j < cols; j++) acc[j] = 0.0f;
+            for (int64_t j = 0; j < cols; j++) acc[j] = more ? o[r * ldo + j0 + j] : 0.0f;
             for (int64_t p = 0; p < k; p++) {
-                float ar = a[r * lda + p];
+                float ar = a[r * sai + p * sap];
                 const float *bp = b + p * ldb + j0;
                 for (int64_t j = 0; j < cols; j++) acc[j] = MADD(ar, bp[j], acc[j]);
             }
@@ -84,26 +89,66 @@ static void nn_edge(const float *a, const float *b, float *o, int64_t rows, int6
 #define NN_ROWS(R, W)                                                                           \
     for (; i + R <= m; i += R) {                                                                \
         int64_t j = j0;                                                                         \
-        for (; j + W <= j1; j += W) nn_block_##R##x##W(a + i * lda, b + j, o + i * ldo + j, k, lda, ldb, ldo); \
-        if (j < j1) nn_edge(a + i * lda, b + j, o + i * ldo + j, R, k, j1 - j, lda, ldb, ldo);  \
+        for (; j + W <= j1; j += W)                                                             \
+            nn_block_##R##x##W(a + i * sai, b + j, o + i * ldo + j, k, sai, sap, ldb, ldo, more); \
+        if (j < j1) nn_edge(a + i * sai, b + j, o + i * ldo + j, R, k, j1 - j, sai, sap, ldb, ldo, more); \
     }
 
-void nn_product(const float *a, const float *b, float *o, int64_t m, int64_t k,
-                int64_t lda, int64_t ldb, int64_t ldo, int64_t j0, int64_t j1) {
+static inline __attribute__((always_inline)) void nn_rows(const float *a, const float *b, float *o,
+        int64_t m, int64_t k, int64_t sai, int64_t sap, int64_t ldb, int64_t ldo, int64_t j0, int64_t j1,
+        int more) {
     int64_t i = 0;
     NN_ROWS(8, 32)
     NN_ROWS(4, 64)
     NN_ROWS(2, 64)
     if (i < m) {   /* the last row: blocks as wide as fit (a block's k-long chains are its latency) */
         int64_t j = j0;
-        const float *ai = a + i * lda;
+        const float *ai = a + i * sai;
         float *oi = o + i * ldo;
-        for (; j + 256 <= j1; j += 256) nn_block_1x256(ai, b + j, oi + j, k, lda, ldb, ldo);
-        if (j + 128 <= j1) { nn_block_1x128(ai, b + j, oi + j, k, lda, ldb, ldo); j += 128; }
-        if (j + 64 <= j1) { nn_block_1x64(ai, b + j, oi + j, k, lda, ldb, ldo); j += 64; }
-        for (; j + 16 <= j1; j += 16) nn_block_1x16(ai, b + j, oi + j, k, lda, ldb, ldo);
-        if (j < j1) nn_edge(ai, b + j, oi + j, 1, k, j1 - j, lda, ldb, ldo);
+        for (; j + 256 <= j1; j += 256) nn_block_1x256(ai, b + j, oi + j, k, sai, sap, ldb, ldo, more);
+        if (j + 128 <= j1) { nn_block_1x128(ai, b + j, oi + j, k, sai, sap, ldb, ldo, more); j += 128; }
+        if (j + 64 <= j1) { nn_block_1x64(ai, b + j, oi + j, k, sai, sap, ldb, ldo, more); j += 64; }
+        for (; j + 16 <= j1; j += 16) nn_block_1x16(ai, b + j, oi + j, k, sai, sap, ldb, ldo, more);
+        if (j < j1) nn_edge(ai, b + j, oi + j, 1, k, j1 - j, sai, sap, ldb, ldo, more);
     }
+}
+
+/* a [m, k] with rows lda apart */
+void nn_product(const float *a, const float *b, float *o, int64_t m, int64_t k,
+                int64_t lda, int64_t ldb, int64_t ldo, int64_t j0, int64_t j1) {
+    nn_rows(a, b, o, m, k, lda, 1, ldb, ldo, j0, j1, 0);
+}
+
+/* rows [0, m) x columns [0, w) of a product whose b is packed in column panels of 32: panel c
+ * holds columns [32c, 32c + 32) as k rows of 32 floats, one after the other (the last panel's
+ * rows as wide as its columns are, still 32 apart) */
+static inline __attribute__((always_inline)) void nn_panels(const float *a, const float *panels, float *o,
+        int64_t m, int64_t k, int64_t sai, int64_t sap, int64_t ldo, int64_t w, int more) {
+    int64_t i = 0;
+    for (; i + 8 <= m; i += 8)
+        for (int64_t j = 0; j < w; j += 32) {
+            const float *bp = panels + j * k;   /* (panel j / 32: 32 k floats each) */
+            if (w - j >= 32) nn_block_8x32(a + i * sai, bp, o + i * ldo + j, k, sai, sap, 32, ldo, more);
+            else nn_edge(a + i * sai, bp, o + i * ldo + j, 8, k, w - j, sai, sap, 32, ldo, more);
+        }
+    if (i < m)
+        for (int64_t j = 0; j < w; j += 32)
+            nn_edge(a + i * sai, panels + j * k, o + i * ldo + j, m - i, k, w - j < 32 ? w - j : 32, sai, sap,
+                    32, ldo, more);
+}
+
+/* a large product's run of p (gl_matmul_large), b in place (ldb) or packed (ldb 0: nn_panels);
+ * a's rows contiguous (sap = 1) or a transposed (sai = 1), each compiled apart */
+static void nn_run(const float *a, const float *b, float *o, int64_t m, int64_t k, int64_t sai,
+                   int64_t sap, int64_t ldb, int64_t ldo, int64_t w, int more) {
+    if (ldb == 0 && sap == 1)
+        nn_panels(a, b, o, m, k, sai, 1, ldo, w, more);
+    else if (ldb == 0)
+        nn_panels(a, b, o, m, k, 1, sap, ldo, w, more);
+    else if (sap == 1)
+        nn_rows(a, b, o, m, k, sai, 1, ldb, ldo, 0, w, more);
+    else
+        nn_rows(a, b, o, m, k, 1, sap, ldb, ldo, 0, w, more);
 }
 
 /* one row x 32 columns of Q products at once (entry q's a, b, out at a[q], b[q], o[q]): 2Q
@@ -251,4 +296,73 @@ void gl_matmul_small_nt(const float *a, const float *bt, float *o, const int64_t
     for (int64_t e = e0; e < e1; e++)
         nt_product(a + offsets[3 * e], bt + offsets[3 * e + 1], o + offsets[3 * e + 2], m, k, lda,
                    ldb, ldo, j0, j1);
+}
+
+/* ---- large products: any layout, by the NN kernel (training, long prefills; products.py) -------- */
+
+/* b is taken in tiles of up to kc rows (values of p) x `width` columns (a multiple of 32) that
+ * L2 holds while every row block reads them, each copied first into the thread's `panel` as
+ * column panels of 32 (nn_panels: a row block's reads of b then run straight through memory,
+ * where b's own rows, often a multiple of 1 KB apart, map onto a few cache sets): b's own rows
+ * (kc <= KC_PLAIN, up to TILE_PLAIN floats; a piece of fewer rows than the plan's copy_rows
+ * reads them in place, the copy costing more than it saves), or b given as a transposed view
+ * (x @ W^T reads a Linear's weight so; kc <= KC_PACKED, up to TILE_PACKED floats). The sizes
+ * were the fastest of those tried at TinyLM's and GPT-2 small's training shapes. */
+#ifndef KC_PLAIN
+#define KC_PLAIN 512
+#endif
+#ifndef TILE_PLAIN
+#define TILE_PLAIN 131072
+#endif
+#ifndef KC_PACKED
+#define KC_PACKED 1024
+#endif
+#ifndef TILE_PACKED
+#define TILE_PACKED 65536
+#endif
+static _Thread_local float panel[TILE_PLAIN > TILE_PACKED ? TILE_PLAIN : TILE_PACKED];
+
+/* out[e] = a[e] @ b[e], rows [i0, i1) x columns [j0, j1) of the entries e in [e0, e1).
+ * plan (int64 words): a, b, out, offsets (addresses: the entries' element offsets, 3 per entry,
+ * as gl_matmul_small's), k, n, sai, sap, sbp, sbj, ldo, copy_rows: element (i, p) of a is at
+ * a[i*sai + p*sap] (sap = 1 or sai = 1), (p, j) of b at b[p*sbp + j*sbj] (sbj = 1, or sbp = 1),
+ * out's rows ldo apart; b's own rows are copied into panels for a piece of at least copy_rows
+ * rows. Every element is one chain of fused multiply-adds over p = 0, 1, ...,
+ * k-1 from 0, as gl_matmul_small's NN kernel computes it (a chain runs over the tiles of p in
+ * order, kept in out between them): its bits depend on k alone, not on the cut, the tiles or the
+ * thread. */
+void gl_matmul_large(const int64_t *plan, int64_t e0, int64_t e1, int64_t i0, int64_t i1, int64_t j0, int64_t j1) {
+    const float *a0 = (const float *)(intptr_t)plan[0], *b0 = (const float *)(intptr_t)plan[1];
+    float *o0 = (float *)(intptr_t)plan[2];
+    const int64_t *offsets = (const int64_t *)(intptr_t)plan[3];
+    const int64_t k = plan[4], sai = plan[6], sap = plan[7], sbp = plan[8], sbj = plan[9], ldo = plan[10];
+    const int transposed = sbj != 1, copy = transposed || i1 - i0 >= plan[11];
+    const int64_t most = transposed ? KC_PACKED : KC_PLAIN, kc = k < most ? (k > 0 ? k : 1) : most;
+    const int64_t width = (transposed ? TILE_PACKED : TILE_PLAIN) / kc / 32 * 32;
+    for (int64_t e = e0; e < e1; e++) {
+        const float *a = a0 + offsets[3 * e], *b = b0 + offsets[3 * e + 1];
+        float *o = o0 + offsets[3 * e + 2];
+        for (int64_t js = j0; js < j1; js += width) {
+            const int64_t w = j1 - js < width ? j1 - js : width;
+            for (int64_t p0 = 0; p0 < k || p0 == 0; p0 += kc) {
+                const int64_t pc = k - p0 < kc ? k - p0 : kc;
+                const float *tile = b + p0 * sbp + js * sbj;
+                int64_t ldb = sbp;
+                if (copy) {   /* into column panels of 32 (nn_panels) */
+                    for (int64_t j = 0; j < w; j += 32) {
+                        float *dst = panel + j * pc;
+                        const int64_t cols = w - j < 32 ? w - j : 32;
+                        if (transposed)
+                            for (int64_t jj = 0; jj < cols; jj++)
+                                for (int64_t p = 0; p < pc; p++) dst[p * 32 + jj] = tile[(j + jj) * sbj + p * sbp];
+                        else
+                            for (int64_t p = 0; p < pc; p++) memcpy(dst + p * 32, tile + p * sbp + j, (size_t)cols * 4);
+                    }
+                    tile = panel, ldb = 0;
+                }
+                nn_run(a + i0 * sai + p0 * sap, tile, o + i0 * ldo + js, i1 - i0, pc, sai, sap, ldb, ldo, w,
+                       p0 > 0);
+            }
+        }
+    }
 }

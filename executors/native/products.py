@@ -8,6 +8,15 @@ is the bits of that row computed alone, whatever the blocking, the column cut or
 n threads they run as n pieces on the C worker team, which takes a piece in a fraction of a
 microsecond: a decode step's products are a few microseconds each, less than the numpy pool's
 Python threads take to hand one over.
+
+Large products. Every other float32 product (training, long prefills) can run in C too
+(gl_matmul_large: the same NN kernel over tiles of b packed into column panels that stay in L2):
+each element is again one chain of fused multiply-adds over k in order, so its bits do not
+depend on the cut or the thread. With AVX-512 it runs at 0.8-1.0x OpenBLAS's AVX-512 kernels and
+1.5-1.9x its AVX2 ones (docs/performance.md), so it is used where the C code is compiled for
+AVX-512 and NumPy's OpenBLAS runs other kernels (an older OpenBLAS, or OPENBLAS_CORETYPE set, as
+on this project's machines); elsewhere NumPy's BLAS runs them (the cuts below, on the team).
+`LARGE_PRODUCTS_IN_C` True or False forces the choice.
 """
 from __future__ import annotations
 
@@ -16,10 +25,11 @@ import functools
 import numpy as np
 
 from ..numpy.matmul import matmul_closure, matmul_parts, matmul_sum_closure, probe_like, same_bits, strided_empty
+from ..numpy.pool import blas_core
 from ..numpy.tiling import even_cuts
-from .build import library
+from .build import cpu_flags, library
 from .table import native_kernel
-from .team import TEAM_MIN_FLOPS, blas_sgemm, entry_offsets, ptr, team_closure, team_table, team_words
+from .team import TEAM_MIN_FLOPS, blas_sgemm, call_tables, entry_offsets, ptr, team_closure, team_table, team_words
 
 
 # == small products: matmuls of few rows (decoding) ==========================================================
@@ -87,6 +97,88 @@ def small_matmul_closure(a, b, out):
     run = team_closure(whole, tables_for)
     run.arrays = (a, b, out, offsets)   # (the raw pointers above point into these)
     run.small_product, run.pieces = True, pieces   # (for tools and tests)
+    return run
+
+
+# == large products: every other float32 matmul, in C =====================================================
+
+LARGE_PRODUCTS_IN_C = None   # None: decided by large_products_in_c(); True / False: forced
+LARGE_ROW_QUANTUM = 8        # a row cut falls on a multiple of this (the kernel's tallest block)
+COPY_MIN_ROWS = 64           # a piece of this many rows copies b's own rows into panels (products.c)
+AVX512_BLAS_CORES = ("skylakex", "cooperlake", "sapphirerapids")   # OpenBLAS's AVX-512 kernel sets
+
+
+@functools.cache
+def _c_beats_blas() -> bool:
+    core = (blas_core() or "").lower()
+    return "avx512f" in cpu_flags() and not any(core.startswith(c) for c in AVX512_BLAS_CORES)
+
+
+def large_products_in_c() -> bool:
+    """Whether the large products run in C: `LARGE_PRODUCTS_IN_C` where set, else where the
+    library is compiled for AVX-512 and NumPy's OpenBLAS does not run its AVX-512 kernels (the
+    module docstring; the same answer for the whole process)."""
+    return _c_beats_blas() if LARGE_PRODUCTS_IN_C is None else bool(LARGE_PRODUCTS_IN_C)
+
+
+def large_product_plan(a, b, out) -> tuple[np.ndarray, np.ndarray] | None:
+    """(gl_matmul_large's plan words for ``a @ b -> out``: a, b, out, offsets, k, n, sai, sap,
+    sbp, sbj, ldo, copy_rows (products.c); the entries' offsets they point to), or None where it does not
+    take the product: not float32, empty, a stride not a whole non-negative number of elements,
+    a or b without contiguous rows or columns, out's rows not contiguous."""
+    if out.dtype != np.float32 or a.dtype != np.float32 or b.dtype != np.float32 or out.size == 0 \
+            or a.ndim < 2 or b.ndim < 2:
+        return None
+    f = 4   # float32's itemsize
+    if any(st < 0 or st % f for x in (a, b, out) for st in x.strides):
+        return None
+    m, k, n = out.shape[-2], a.shape[-1], out.shape[-1]
+    sai, sap = a.strides[-2] // f, a.strides[-1] // f
+    sbp, sbj = b.strides[-2] // f, b.strides[-1] // f
+    if m == 1:
+        sai = 1 if sap != 1 else sai
+    if k <= 1:   # (a stride along an axis of one or no element says nothing)
+        sap = 1
+    if n == 1 or k == 0:
+        sbj = 1
+    if out.strides[-1] != f or (sap != 1 and sai != 1) or (sbj != 1 and sbp != 1):
+        return None
+    batch = out.shape[:-2]
+    parts = [entry_offsets(x, batch) for x in (a, b, out)]
+    if any(p is None for p in parts):
+        return None
+    offsets = np.ascontiguousarray(np.stack(parts, axis=1))
+    plan = np.array([ptr(a), ptr(b), ptr(out), ptr(offsets), k, n, sai, sap, sbp, sbj, out.strides[-2] // f,
+                     COPY_MIN_ROWS], np.int64)
+    return plan, offsets
+
+
+def large_matmul_closure(a, b, out):
+    """``a @ b -> out`` by gl_matmul_large, or None (large_product_plan). On n threads: n pieces
+    on the C worker team, cut along the rows (a multiple of LARGE_ROW_QUANTUM) where the
+    product has at least as many rows as columns, else along the columns (SMALL_COLUMN_QUANTUM);
+    every piece computes its elements as the whole does."""
+    found = large_product_plan(a, b, out) if large_products_in_c() else None
+    if found is None:
+        return None
+    plan, offsets = found
+    fn = library().gl_matmul_large
+    m, n, entries = out.shape[-2], out.shape[-1], len(offsets)
+    whole = functools.partial(fn, ptr(plan), 0, entries, 0, m, 0, n)
+
+    def tables_for(threads):
+        if 2 * entries * m * n * a.shape[-1] < TEAM_MIN_FLOPS:
+            return None
+        if m >= n:
+            parts = [functools.partial(fn, ptr(plan), 0, entries, i0, i1, 0, n)
+                     for i0, i1 in even_cuts(m, threads, LARGE_ROW_QUANTUM)]
+        else:
+            parts = [functools.partial(fn, ptr(plan), 0, entries, 0, m, j0, j1)
+                     for j0, j1 in even_cuts(n, threads, SMALL_COLUMN_QUANTUM)]
+        return call_tables(parts)
+    run = team_closure(whole, tables_for)
+    run.arrays = (a, b, out, plan, offsets)   # (the plan's addresses point into these)
+    run.large_product = True
     return run
 
 
@@ -173,11 +265,20 @@ def blas_matmul_closure(a, b, out):
     return run
 
 
-@native_kernel("matmul", rounds_own_way=lambda node: node.shape[-2] <= SMALL_ROWS)
+def product_closure(a, b, out):
+    """The native ``a @ b -> out``: a small product, a large one, else NumPy's BLAS on the team."""
+    return small_matmul_closure(a, b, out) or large_matmul_closure(a, b, out) or blas_matmul_closure(a, b, out)
+
+
+def _own_rounding(node) -> bool:
+    return node.dtype == np.float32 and (node.shape[-2] <= SMALL_ROWS or large_products_in_c())
+
+
+@native_kernel("matmul", rounds_own_way=_own_rounding)
 def _matmul(node, out, ins, scratch):
-    return small_matmul_closure(ins[0], ins[1], out) or blas_matmul_closure(ins[0], ins[1], out)
+    return product_closure(ins[0], ins[1], out)
 
 
-@native_kernel("matmul_sum")
+@native_kernel("matmul_sum", rounds_own_way=_own_rounding)
 def _matmul_sum(node, out, ins, scratch):
-    return matmul_sum_closure(node, out, ins, blas_matmul_closure)
+    return matmul_sum_closure(node, out, ins, product_closure)

@@ -60,6 +60,24 @@ def set_blas_threads(n: int) -> bool:
     return False
 
 
+def blas_core() -> str | None:
+    """The name of the kernels the OpenBLAS NumPy uses runs ("Haswell", "SkylakeX", ...: what it
+    detected, or what OPENBLAS_CORETYPE forced), or None where no OpenBLAS says (benchmarks
+    record it: the same CPU runs np.matmul at about twice the rate on AVX-512 kernels)."""
+    for path in openblas_libraries():
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for name in ("scipy_openblas_get_corename64_", "openblas_get_corename64_", "scipy_openblas_get_corename",
+                     "openblas_get_corename"):
+            fn = getattr(lib, name, None)
+            if fn is not None:
+                fn.restype = ctypes.c_char_p
+                return fn().decode(errors="replace").strip() or None
+    return None
+
+
 def set_threads(n: int) -> None:
     """Run the executor's large kernels on `n` threads and BLAS on one (the executor splits
     products itself; OpenBLAS's own workers spin for a while after every call and would fight
