@@ -1,4 +1,4 @@
-"""The native executor's matmuls: small products in C, and BLAS products cut over the C team.
+"""The native executor's matmuls: small and large products in C, BLAS products cut over the C team.
 
 Small products. BLAS takes other paths for a product of 1 row (GEMV) and of 8 (small-m GEMM,
 at a third of the core's rate), so a batch-8 decode step cost 2-3x what it could and its rows
@@ -123,9 +123,9 @@ def large_products_in_c() -> bool:
 
 def large_product_plan(a, b, out) -> tuple[np.ndarray, np.ndarray] | None:
     """(gl_matmul_large's plan words for ``a @ b -> out``: a, b, out, offsets, k, n, sai, sap,
-    sbp, sbj, ldo, copy_rows (products.c); the entries' offsets they point to), or None where it does not
-    take the product: not float32, empty, a stride not a whole non-negative number of elements,
-    a or b without contiguous rows or columns, out's rows not contiguous."""
+    sbp, sbj, ldo, copy_rows (products.c); the entries' offsets they point to), or None where it
+    does not take the product: not float32, empty, a stride not a whole non-negative number of
+    elements, a or b without contiguous rows or columns, out's rows not contiguous."""
     if out.dtype != np.float32 or a.dtype != np.float32 or b.dtype != np.float32 or out.size == 0 \
             or a.ndim < 2 or b.ndim < 2:
         return None
@@ -135,9 +135,9 @@ def large_product_plan(a, b, out) -> tuple[np.ndarray, np.ndarray] | None:
     m, k, n = out.shape[-2], a.shape[-1], out.shape[-1]
     sai, sap = a.strides[-2] // f, a.strides[-1] // f
     sbp, sbj = b.strides[-2] // f, b.strides[-1] // f
-    if m == 1:
-        sai = 1 if sap != 1 else sai
-    if k <= 1:   # (a stride along an axis of one or no element says nothing)
+    if m == 1 and sap != 1:   # (a stride along an axis of one or no element says nothing)
+        sai = 1
+    if k <= 1:
         sap = 1
     if n == 1 or k == 0:
         sbj = 1
