@@ -141,3 +141,22 @@ def test_a_training_step_takes_the_large_kernel_and_the_flag_puts_back_blas(monk
         products = [s for s, n in zip(prog._steps, prog._step_nodes) if n.op in ("matmul", "matmul_sum")]
         assert products and all(getattr(s, "large_product", False) == flag for s in products)
         assert all(prog.rounds_own_way(n) == flag for n in prog._step_nodes if n.op in ("matmul", "matmul_sum"))
+
+
+@pytest.mark.parametrize("flags,core,want", [({"avx2", "avx512f"}, "Haswell", True), ({"avx512f"}, "Zen", True),
+                                             ({"avx512f"}, "SkylakeX", False), ({"avx512f"}, "COOPERLAKE", False),
+                                             ({"avx2"}, "Haswell", False), ({"avx512f"}, None, True)])
+def test_the_choice_between_c_and_openblas(monkeypatch, flags, core, want):
+    """Left to itself (LARGE_PRODUCTS_IN_C None) the executor takes the C kernel where the CPU
+    has AVX-512 and NumPy's OpenBLAS does not run its AVX-512 kernels; True or False force it."""
+    monkeypatch.setattr(native.products, "LARGE_PRODUCTS_IN_C", None)
+    monkeypatch.setattr(native.products, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(native.products, "blas_core", lambda: core)
+    native.products._c_beats_blas.cache_clear()
+    try:
+        assert native.products.large_products_in_c() is want
+        for forced in (True, False):
+            monkeypatch.setattr(native.products, "LARGE_PRODUCTS_IN_C", forced)
+            assert native.products.large_products_in_c() is forced
+    finally:
+        native.products._c_beats_blas.cache_clear()   # (the machine's own answer again)
