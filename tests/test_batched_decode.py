@@ -23,13 +23,18 @@ from graphlm.sample import Generator, descending_order
 pytestmark = pytest.mark.usefixtures("native")   # skipped without a C compiler (failed in CI)
 
 
-def small_product(a, b):
-    """a @ b by the native small-product kernel (asserting that it takes the operands)."""
+def product_by(closure, a, b):
+    """a @ b by a native product kernel's closure (asserting that it takes the operands)."""
     out = np.full(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1]), np.nan, np.float32)
-    run = native.products.small_matmul_closure(a, b, out)
-    assert run is not None, f"the small-product kernel did not take {a.shape} @ {b.shape}"
+    run = closure(a, b, out)
+    assert run is not None, f"{closure.__name__} did not take {a.shape} @ {b.shape}"
     run()
     return out
+
+
+def small_product(a, b):
+    """a @ b by the native small-product kernel."""
+    return product_by(native.products.small_matmul_closure, a, b)
 
 
 def operands(rng, m, k, n, layout, batch=()):

@@ -15,6 +15,8 @@ import pytest
 from graphlm.executors import native
 from graphlm.executors import numpy as numpy_executor
 
+from tests.test_batched_decode import product_by
+
 pytestmark = pytest.mark.usefixtures("native")   # skipped without a C compiler (failed in CI)
 
 
@@ -25,21 +27,13 @@ def large_products_on(monkeypatch):
 
 
 def large_product(a, b):
-    """a @ b by the native large-product kernel (asserting that it takes the operands)."""
-    out = np.full(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1]), np.nan, np.float32)
-    run = native.products.large_matmul_closure(a, b, out)
-    assert run is not None, f"the large-product kernel did not take {a.shape} @ {b.shape}"
-    run()
-    return out
+    """a @ b by the native large-product kernel."""
+    return product_by(native.products.large_matmul_closure, a, b)
 
 
 def small_nn_row(a_row, b):
     """One row's product by the small-product kernel's NN chain (b's rows made contiguous)."""
-    out = np.empty((1, b.shape[-1]), np.float32)
-    run = native.products.small_matmul_closure(np.ascontiguousarray(a_row), np.ascontiguousarray(b), out)
-    assert run is not None
-    run()
-    return out
+    return product_by(native.products.small_matmul_closure, np.ascontiguousarray(a_row), np.ascontiguousarray(b))
 
 
 def operands(rng, m, k, n, layout, batch=()):

@@ -308,18 +308,10 @@ void gl_matmul_small_nt(const float *a, const float *bt, float *o, const int64_t
  * reads them in place, the copy costing more than it saves), or b given as a transposed view
  * (x @ W^T reads a Linear's weight so; kc <= KC_PACKED, up to TILE_PACKED floats). The sizes
  * were the fastest of those tried at TinyLM's and GPT-2 small's training shapes. */
-#ifndef KC_PLAIN
 #define KC_PLAIN 512
-#endif
-#ifndef TILE_PLAIN
 #define TILE_PLAIN 131072
-#endif
-#ifndef KC_PACKED
 #define KC_PACKED 1024
-#endif
-#ifndef TILE_PACKED
 #define TILE_PACKED 65536
-#endif
 static _Thread_local float panel[TILE_PLAIN > TILE_PACKED ? TILE_PLAIN : TILE_PACKED];
 
 /* out[e] = a[e] @ b[e], rows [i0, i1) x columns [j0, j1) of the entries e in [e0, e1).

@@ -12,11 +12,11 @@ Python threads take to hand one over.
 Large products. Every other float32 product (training, long prefills) can run in C too
 (gl_matmul_large: the same NN kernel over tiles of b packed into column panels that stay in L2):
 each element is again one chain of fused multiply-adds over k in order, so its bits do not
-depend on the cut or the thread. With AVX-512 it runs at 0.8-1.0x OpenBLAS's AVX-512 kernels and
-1.5-1.9x its AVX2 ones (docs/performance.md), so it is used where the C code is compiled for
+depend on the cut or the thread. With AVX-512 it keeps up with OpenBLAS's AVX-512 kernels and
+passes its AVX2 ones (docs/performance.md), so it is used where the C code is compiled for
 AVX-512 and NumPy's OpenBLAS runs other kernels (an older OpenBLAS, or OPENBLAS_CORETYPE set, as
-on this project's machines); elsewhere NumPy's BLAS runs them (the cuts below, on the team).
-`LARGE_PRODUCTS_IN_C` True or False forces the choice.
+on this project's machines; `large_products_in_c`); elsewhere NumPy's BLAS runs them (the cuts
+below, on the team). `LARGE_PRODUCTS_IN_C` True or False forces the choice.
 """
 from __future__ import annotations
 

@@ -155,19 +155,7 @@ def blas_sgemm() -> tuple[int, int] | None:
     """(address of the cblas_sgemm of NumPy's OpenBLAS, the team's piece kind for it: 2 where it
     takes 64-bit integers, 3 for 32-bit), or None where no OpenBLAS with one is loaded."""
     if "fn" not in _sgemm:
-        found = None
-        for path in pool.openblas_libraries():
-            try:
-                lib = ctypes.CDLL(path)
-            except OSError:
-                continue
-            for name, kind in (("scipy_cblas_sgemm64_", 2), ("cblas_sgemm64_", 2),
-                               ("scipy_cblas_sgemm", 3), ("cblas_sgemm", 3)):
-                fn = getattr(lib, name, None)
-                if fn is not None:
-                    found = (ctypes.cast(fn, ctypes.c_void_p).value, kind)
-                    break
-            if found:
-                break
-        _sgemm["fn"] = found
+        kinds = {"scipy_cblas_sgemm64_": 2, "cblas_sgemm64_": 2, "scipy_cblas_sgemm": 3, "cblas_sgemm": 3}
+        found = pool.openblas_function(*kinds)
+        _sgemm["fn"] = None if found is None else (ctypes.cast(found[1], ctypes.c_void_p).value, kinds[found[0]])
     return _sgemm["fn"]

@@ -41,41 +41,43 @@ def openblas_libraries() -> list[str]:
         return []
 
 
-def set_blas_threads(n: int) -> bool:
-    """Set the thread count of the OpenBLAS NumPy is linked against, at run time. Returns False
-    when no OpenBLAS is loaded in this process (another BLAS keeps its own setting)."""
-    if n <= 0:
-        return False
+def openblas_function(*names: str):
+    """(name, function) of the first of `names` that an OpenBLAS loaded in this process exports
+    (NumPy's: its symbols carry a prefix and suffix by build), or None where none does."""
     for path in openblas_libraries():
         try:
             lib = ctypes.CDLL(path)
         except OSError:
             continue
-        for name in ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_",
-                     "openblas_set_num_threads"):
+        for name in names:
             fn = getattr(lib, name, None)
             if fn is not None:
-                fn(ctypes.c_int(n))
-                return True
-    return False
+                return name, fn
+    return None
+
+
+def set_blas_threads(n: int) -> bool:
+    """Set the thread count of the OpenBLAS NumPy is linked against, at run time. Returns False
+    when no OpenBLAS is loaded in this process (another BLAS keeps its own setting)."""
+    found = openblas_function("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_",
+                              "openblas_set_num_threads") if n > 0 else None
+    if found is None:
+        return False
+    found[1](ctypes.c_int(n))
+    return True
 
 
 def blas_core() -> str | None:
     """The name of the kernels the OpenBLAS NumPy uses runs ("Haswell", "SkylakeX", ...: what it
     detected, or what OPENBLAS_CORETYPE forced), or None where no OpenBLAS says (benchmarks
-    record it: the same CPU runs np.matmul at about twice the rate on AVX-512 kernels)."""
-    for path in openblas_libraries():
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        for name in ("scipy_openblas_get_corename64_", "openblas_get_corename64_", "scipy_openblas_get_corename",
-                     "openblas_get_corename"):
-            fn = getattr(lib, name, None)
-            if fn is not None:
-                fn.restype = ctypes.c_char_p
-                return fn().decode(errors="replace").strip() or None
-    return None
+    record it; the native executor's large products choose by it)."""
+    found = openblas_function("scipy_openblas_get_corename64_", "openblas_get_corename64_",
+                              "scipy_openblas_get_corename", "openblas_get_corename")
+    if found is None:
+        return None
+    fn = found[1]
+    fn.restype = ctypes.c_char_p
+    return fn().decode(errors="replace").strip() or None
 
 
 def set_threads(n: int) -> None:
