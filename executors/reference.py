@@ -366,6 +366,14 @@ def matmul_sum(node, a, b):
     return np.matmul(pa.reshape(sa), pb.reshape(sb)).reshape(node.shape)
 
 
+@kernel("panel_matmul")
+def panel_matmul(node, x, panels, *bias):
+    *batch, c, k, w = panels.shape
+    b = np.swapaxes(panels, -3, -2).reshape(*batch, k, c * w)[..., :node.attrs["columns"]]
+    y = np.matmul(x, b)
+    return y + bias[0] if bias else y
+
+
 @kernel("slices_assemble")
 def slices_assemble(node, *srcs):
     out = np.zeros(node.shape, node.dtype)

@@ -1516,6 +1516,64 @@ register("matmul_sum", _infer_matmul_sum, rounds_like_decomposition=False,
          vjp_doc="through its decomposition")
 
 
+# --- panel_matmul: x @ B (+ bias), B held in column panels -------------------------------------
+# B [..., k, n] stored as panels [..., C, k, W]: panel c holds B's columns [cW, cW + W) as k rows of
+# W floats one after the other, the last one zero-padded past column n (`to_panels`). A product
+# reads each panel straight through memory where B's own rows sit n floats apart; the bias (whole
+# along the last axis, one row broadcast over the rows) is added as each value is stored. Made
+# by the panel_weights pass for programs whose weights stay fixed (graphlm/passes/panel_weights.py);
+# the decomposition is the definition: the panels put back as B, the product, then the add.
+def to_panels(b: np.ndarray, width: int) -> np.ndarray:
+    """B [..., k, n] as panel_matmul's panels [..., ceil(n / width), k, width] (zero-padded)."""
+    *batch, k, n = b.shape
+    c = -(-n // width)
+    padded = np.zeros((*batch, k, c * width), b.dtype)
+    padded[..., :n] = b
+    return np.ascontiguousarray(np.swapaxes(padded.reshape(*batch, k, c, width), -3, -2))
+
+
+def _infer_panel_matmul(inputs, attrs):
+    x, panels, *bias = inputs
+    n = attrs["columns"]
+    if x.ndim < 2 or panels.ndim < 3 or x.shape[-1] != panels.shape[-2]:
+        raise ShapeError(f"cannot multiply {fmt_shape(x.shape)} by panels {fmt_shape(panels.shape)} "
+                         "(x [..., m, k], panels [..., C, k, W])")
+    c, w = panels.shape[-3], panels.shape[-1]
+    if not (c - 1) * w < n <= c * w:
+        raise ShapeError(f"{c} panels of {w} columns cannot hold {n} columns")
+    try:
+        batch = tuple(np.broadcast_shapes(x.shape[:-2], panels.shape[:-3]))
+    except ValueError:
+        raise ShapeError(f"cannot multiply {fmt_shape(x.shape)} by panels {fmt_shape(panels.shape)} "
+                         "(batch dimensions do not broadcast)") from None
+    shape = batch + (x.shape[-2], n)
+    if bias:
+        (b,) = bias
+        if b.ndim == 0 or b.shape[-1] != n or (b.ndim > 1 and b.shape[-2] != 1) \
+                or np.broadcast_shapes(b.shape, shape) != shape:
+            raise ShapeError(f"bias {fmt_shape(b.shape)} is not one row of {n} broadcast over "
+                             f"the product {fmt_shape(shape)}")
+    return shape, _same_dtype(inputs)
+
+
+def _panel_matmul_decompose(x, panels, *bias, columns):
+    *batch, c, k, w = panels.shape
+    b = reshape(swapaxes(panels, -3, -2), (*batch, k, c * w))[(Ellipsis, _pyslice(0, columns))]
+    y = matmul(x, b)
+    return add(y, bias[0]) if bias else y
+
+
+register("panel_matmul", _infer_panel_matmul, decompose=_panel_matmul_decompose,
+         doc="x @ B (+ bias) with B [..., k, n] held as column panels [..., C, k, W] (to_panels)",
+         vjp_doc="through its decomposition")
+
+
+def panel_matmul(x, panels, columns: int, bias=None) -> Tensor:
+    """``x @ B (+ bias)`` where `panels` [..., C, k, W] holds B [..., k, columns] in column panels
+    (`to_panels`); `bias` [..., 1, columns] or [columns]."""
+    return apply("panel_matmul", (x, panels) if bias is None else (x, panels, bias), columns=int(columns))
+
+
 # --- slices_assemble: disjoint slice gradients written into one array --------------------------
 def _window_shape(shape, index) -> tuple[int, ...]:
     return tuple(len(range(*s.indices(d))) for s, d in zip(index, shape) if isinstance(s, _pyslice))

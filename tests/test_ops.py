@@ -26,7 +26,8 @@ from scipy import special
 
 from graphlm import executors
 import graphlm as gl
-from graphlm.ops import attention_query_blocks, causal_attention_keep_layout, layer_norm_keep_layout, normalize_index
+from graphlm.ops import (attention_query_blocks, causal_attention_keep_layout, layer_norm_keep_layout, normalize_index,
+                         panel_matmul)
 from graphlm.random import counter_uniform, dropout_keep_scale
 from graphlm.registry import REGISTRY, apply
 from graphlm.testing import assert_close, build, check_grads, feeds_of, run
@@ -361,6 +362,12 @@ ATTENTION_KEEP = [(2, 2, 5, 3), (6, 3), (1, 1)]   # query blocks of 2 rows: 2 (u
 # (E = exp(s - rowmax) has a kink where a row max ties: these inputs have no near tie)
 
 
+def _unpanel(p, columns):
+    """panel_matmul's B [..., k, columns] from its panels [..., C, k, W] (NumPy or torch)."""
+    *batch, c, k, w = p.shape
+    return p.swapaxes(-3, -2).reshape(*batch, k, c * w)[..., :columns]
+
+
 CASES = [
     # -- elementwise binary, with broadcasting -------------------------------------------------
     Case("add", gl.add, binary(F, F), np.add, lambda a, b: torch.add(a, b)),
@@ -556,6 +563,13 @@ CASES = [
     Case("matmul_sum_keepdims", lambda a, b: apply("matmul_sum", (a, b), axes=(0, 1), keepdims=True),
          [(F(2, 3, 4, 5), F(2, 3, 5, 2))], lambda a, b: np.sum(a @ b, (0, 1), keepdims=True),
          lambda a, b: torch.sum(a @ b, (0, 1), keepdim=True)),
+    Case("panel_matmul", lambda x, p, b: panel_matmul(x, p, 6, b), [(F(5, 7), F(2, 7, 4), F(6))],
+         lambda x, p, b: x @ _unpanel(p, 6) + b, lambda x, p, b: x @ _unpanel(p, 6) + b),
+    Case("panel_matmul_batched", lambda x, p, b: panel_matmul(x, p, 3, b), [(F(2, 3, 5), F(2, 1, 5, 4), F(2, 1, 3)),
+                                                                               (F(3, 5), F(2, 1, 5, 4), F(3))],
+         lambda x, p, b: x @ _unpanel(p, 3) + b, lambda x, p, b: x @ _unpanel(p, 3) + b),
+    Case("panel_matmul_no_bias", lambda x, p: panel_matmul(x, p, 8), [(F(4, 3), F(2, 3, 4)), (F(1, 3), F(2, 3, 4))],
+         lambda x, p: x @ _unpanel(p, 8), lambda x, p: x @ _unpanel(p, 8)),
     Case("slices_assemble", lambda a, b: apply("slices_assemble", (a, b), shape=(3, 4), covered=False,
                                                indexes=[normalize_index(0, (3, 4)), normalize_index(2, (3, 4))]),
          [(F(4), F(2, 2))], lambda a, b: np.stack([a, np.zeros(4), b.reshape(4)]),
