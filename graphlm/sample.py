@@ -1,9 +1,11 @@
 """Sampling from a GPT with a KV cache held in `state`.
 
 Two static-shape programs share one state (the model's params, the key and value caches of
-every attention module, ``cache.<module>.{k,v}`` of shape ``[B, H, T, D]``, and ``W.T``, the
-transpose of each weight a product reads transposed, taken once: graphlm/passes/
-transposed_weights.py; so a Generator samples the weights it was given). Both are the model's
+every attention module, ``cache.<module>.{k,v}`` of shape ``[B, H, T, D]``, and the weights in
+the layout the executor reads best, taken once: ``W.T``, the transpose of each weight a product
+reads transposed (graphlm/passes/transposed_weights.py), or on the native executor ``W.panels``,
+each product's weight in column panels (graphlm/passes/panel_weights.py); so a Generator
+samples the weights it was given). Both are the model's
 own forward, called with an `nn.KVCache` that each attention module reads and writes
 (`MultiheadAttention.attend_cached`), so any model whose blocks pass the cache along samples
 with it (every `GPTConfig` variant does):
@@ -48,6 +50,7 @@ from .backends import get_executor
 from .ir import Graph, Tensor, fmt_shape
 from .nn import KVCache
 from .passes.rewrite import rewrite
+from .passes.panel_weights import panel_params
 from .passes.transposed_weights import TRANSPOSED_WEIGHTS, transposed_params
 from .random import SplitMix64
 
@@ -59,12 +62,13 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 # graphs
 # ================================================================================================
 
-def build_graph(model, batch_size: int, length: int | None) -> tuple[Graph, Tensor, list[Tensor]]:
+def build_graph(model, batch_size: int, length: int | None,
+                weights_pass=TRANSPOSED_WEIGHTS) -> tuple[Graph, Tensor, list[Tensor]]:
     """The prefill graph (length L) or, with length None, the decode graph. Returns
     (graph, logits [B, V], cache-write nodes). Inputs: ``tokens`` [B, L or 1] and, for decode,
-    ``position`` (int64 scalar); params: the model's, a weight read transposed as ``W.T``
-    (`transposed_params` makes them). The model is built in eval mode (no dropout); its modes
-    are restored afterwards."""
+    ``position`` (int64 scalar); params: the model's, its weights in the layout `weights_pass`
+    gives them (default: a weight read transposed as ``W.T``; `fixed_weight_params` makes them).
+    The model is built in eval mode (no dropout); its modes are restored afterwards."""
     modes = [(m, m.training) for _, m in model.named_modules()]
     model.eval()
     try:
@@ -74,11 +78,17 @@ def build_graph(model, batch_size: int, length: int | None) -> tuple[Graph, Tens
         cache = KVCache(g, model.config.context_length, position, prefix=CACHE_PREFIX)
         logits = model(tokens, cache=cache, logits_to_keep=1)              # [B, 1, V]
         outputs = [ops.reshape(logits, (batch_size, logits.shape[-1]))] + cache.writes
-        done = rewrite(g, outputs, TRANSPOSED_WEIGHTS)
+        done = rewrite(g, outputs, weights_pass)
         return done.graph, done.outputs[0], done.outputs[1:]
     finally:
         for m, mode in modes:
             object.__setattr__(m, "training", mode)
+
+
+def fixed_weight_params(graph: Graph, params: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The arrays of the weight params a `build_graph` graph reads that `params` lacks (``W.T``,
+    ``W.panels``), each taken from its W in `params`."""
+    return {**transposed_params(graph, params), **panel_params(graph, params)}
 
 
 # ================================================================================================
@@ -325,8 +335,8 @@ def _count(n, what: str, where: str = "generate") -> int:
 class Generator:
     """Autoregressive decoding of `model` with a KV cache (module docstring). `params` are
     shared, not copied: the programs read them from the same `state` dict as the caches, and
-    the transposes ``W.T`` taken from them here (after changing a weight, make a new
-    Generator). The batch size is fixed: `generate` samples one continuation, `generate_batch`
+    the weights' other layouts (``W.T``, ``W.panels``) taken from them here (after changing a
+    weight, make a new Generator). The batch size is fixed: `generate` samples one continuation, `generate_batch`
     `batch_size` continuations of one prompt, decoded together."""
 
     def __init__(self, model, params: Mapping[str, np.ndarray], batch_size: int = 1,
@@ -341,9 +351,11 @@ class Generator:
         if not 0 <= self.keep <= c.context_length - 1:
             raise ValueError(f"keep must be in [0, context_length - 1 = {c.context_length - 1}], "
                              f"got {keep}")
-        self._graphs = {None: build_graph(model, self.batch_size, None)}
+        # the executor's layout of weights that stay fixed (the native one's: column panels)
+        self._weights_pass = getattr(get_executor(executor), "fixed_weights_pass", TRANSPOSED_WEIGHTS)
+        self._graphs = {None: build_graph(model, self.batch_size, None, self._weights_pass)}
         self.state: dict[str, np.ndarray] = dict(params)
-        self.state.update(transposed_params(self._graphs[None][0], params))
+        self.state.update(fixed_weight_params(self._graphs[None][0], params))
         caches = self._graphs[None][0].states       # the attention modules' caches
         self.cache_names = list(caches)
         for name, leaf in caches.items():
@@ -357,8 +369,9 @@ class Generator:
         prog = self._programs.get(length)
         if prog is None:
             t0 = time.perf_counter()
-            g, logits, writes = self._graphs.pop(length, None) or build_graph(self.model, self.batch_size, length)
-            self.state.update(transposed_params(g, self.state))   # (the decode graph's: taken in __init__)
+            g, logits, writes = (self._graphs.pop(length, None)
+                                 or build_graph(self.model, self.batch_size, length, self._weights_pass))
+            self.state.update(fixed_weight_params(g, self.state))   # (the decode graph's: taken in __init__)
             prog = get_executor(self.executor).compile(g, [logits] + writes)
             self._programs[length] = prog
             self.compile_seconds += time.perf_counter() - t0

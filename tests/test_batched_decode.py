@@ -235,13 +235,23 @@ def test_seeded_batch_sampling_is_reproducible_and_row_i_is_seed_plus_i(model_an
     assert len({tuple(t) for t in first}) > 1   # the rows draw from their own streams
 
 
-def test_decode_uses_the_small_product_kernel(model_and_params):
+def test_decode_products_read_their_weights_in_panels_with_the_bias_added(model_and_params):
+    """On the native executor every product of a decode step is a panel product in C
+    (graphlm/passes/panel_weights.py), each Linear's bias added in it: no plain matmul, and no
+    add left but the residuals and the embeddings'."""
     model, params = model_and_params
     gen = Generator(model, params, batch_size=8, executor="native")
     greedy(gen, np.zeros((8, 2), np.int64), 1)
     prog = gen._program(None)
-    matmuls = [s for n, s in zip(prog._step_nodes, prog._steps) if n.op == "matmul"]
-    assert matmuls and all(getattr(s, "small_product", False) for s in matmuls)
+    steps = list(zip(prog._step_nodes, prog._steps))
+    products = [s for n, s in steps if n.op == "panel_matmul"]
+    assert products and all(getattr(s, "panel_product", False) for s in products)
+    assert not [n for n, _ in steps if n.op == "matmul"]
+    with_bias = [n for n, _ in steps if n.op == "panel_matmul" and len(n.inputs) == 3]
+    c = model.config
+    assert len(with_bias) == 4 * c.layer_count + c.lm_head_bias   # qkv, output, MLP in and out; the head
+    adds = [n for n, _ in steps if n.op == "add"]
+    assert len(adds) == 2 * model.config.layer_count + 1    # the residuals, token + position
 
 
 # -- the softmax of the decode attention (one pass per row in C) -------------------------------------

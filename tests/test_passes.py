@@ -12,6 +12,7 @@ from graphlm.passes.attention_softmax import ATTENTION_SOFTMAX
 from graphlm.passes.dropout_masks import DROPOUT_MASKS
 from graphlm.passes.kept_values import KEPT_VALUES
 from graphlm.passes.matmul_sum import MATMUL_SUM
+from graphlm.passes.panel_weights import PANEL_WEIGHTS, panel_params
 from graphlm.passes.slice_gradients import SLICE_GRADIENTS
 from graphlm.passes.transposed_weights import TRANSPOSED_WEIGHTS, transposed_params
 from graphlm.testing import assert_close
@@ -347,6 +348,80 @@ def test_a_generators_programs_read_the_transposed_weights():
     logits = gen.prefill(np.array([[1, 2, 3], [4, 5, 6]]))
     want = model.logits(params, np.array([[1, 2, 3], [4, 5, 6]]), executor="reference")[:, -1]
     np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-6)
+
+
+def test_panel_weights_reads_each_fixed_weight_in_panels_and_adds_its_bias_in_the_product():
+    from graphlm.ops import to_panels
+    g = gl.Graph("pw")
+    x = g.input("x", (2, 3, 4), "float64")
+    w = g.param("w", (40, 4), "float64")        # a Linear's weight, read as w^T: 40 columns, 2 panels
+    b = g.param("b", (40,), "float64")
+    q = g.param("q", (2, 4, 5), "float64")      # batched and read as it is (qkv): panels of q itself
+    qb = g.param("qb", (2, 1, 5), "float64")
+    e = g.param("e", (6, 40), "float64")        # a tied table: also read as itself
+    h = x @ gl.transpose(w) + b                 # product + bias: one panel product
+    kept = x @ gl.transpose(w)                  # read twice (an output and an add): its add stays
+    outs = [gl.tanh(h) @ gl.transpose(e), gl.sum(e, axis=1), x @ q + qb, kept, kept + b, qb + x @ q]
+    rng = np.random.default_rng(4)
+    feeds = {"x": rng.standard_normal((2, 3, 4))}
+    params = {k: rng.standard_normal(v.shape) for k, v in g.params.items()}
+    rw = passes.rewrite(g, outs, PANEL_WEIGHTS)
+    assert sorted(rw.graph.params) == ["b", "e", "e.T.panels", "q.panels", "qb", "w.T.panels"]
+    assert rw.graph.params["w.T.panels"].shape == (2, 4, 32) and rw.graph.params["q.panels"].shape == (2, 1, 4, 32)
+    products = [n for n in rw.graph.nodes if n.op == "panel_matmul"]
+    assert not [n for n in rw.graph.nodes if n.op == "matmul"]
+    assert sorted(len(n.inputs) for n in products) == [2, 2, 3, 3, 3]   # kept's and the head's: no bias
+    assert [n.op for n in rw.graph.nodes].count("add") == 1             # kept + b
+    extra = panel_params(rw.graph, params)
+    assert extra["w.T.panels"].tobytes() == to_panels(params["w"].T, 32).tobytes()
+    assert extra["q.panels"].tobytes() == to_panels(params["q"], 32).tobytes()
+    assert panel_params(rw.graph, {**params, **extra}) == {}           # nothing left to take
+    got = REF.compile(rw.graph, rw.outputs).run(feeds, {**params, **extra})
+    want = REF.compile(g, outs).run(feeds, params)
+    for a, c in zip(got, want):
+        np.testing.assert_allclose(a, c, rtol=1e-12, atol=1e-14)
+    # a product of a non-param, a transpose of other axes, a bias of another shape: left as they are
+    v = g.input("v", (4, 40), "float64")
+    other = [x @ v + b, g.input("y", (4, 3, 2), "float64") @ gl.transpose(q, (1, 0, 2)),
+             x @ gl.transpose(w) + g.param("rows", (3, 40), "float64")]
+    rw2 = passes.rewrite(g, other, PANEL_WEIGHTS)
+    assert [n.op for n in rw2.graph.nodes].count("add") == 2 and "rows" in rw2.graph.params
+    taken = g.param("w.T.panels", (2, 4, 32), "float64")   # a param of the panels' name already
+    assert passes.rewrite(g, [x @ gl.transpose(w) + gl.sum(taken)], PANEL_WEIGHTS).graph is g
+
+
+def test_panel_weights_leaves_a_weight_past_its_max_bytes(monkeypatch):
+    from graphlm.passes import panel_weights
+    g = gl.Graph("big")
+    x = g.input("x", (2, 4))
+    small, big = g.param("small", (6, 4)), g.param("big", (12, 6))   # 96 and 288 bytes
+    outs = [(x @ gl.transpose(small)) @ gl.transpose(big)]
+    monkeypatch.setattr(panel_weights, "MAX_BYTES", 96)
+    assert sorted(passes.rewrite(g, outs, PANEL_WEIGHTS).graph.params) == ["big", "small.T.panels"]
+    monkeypatch.setattr(panel_weights, "MAX_BYTES", 95)
+    assert passes.rewrite(g, outs, PANEL_WEIGHTS).graph is g
+
+
+def test_a_generator_reads_weights_in_the_layout_of_its_executor():
+    """The numpy executor's Generator reads W.T, the native one's W.panels (its kernels read
+    panels best); both taken once from the params given, which stay shared, not copied."""
+    from graphlm.models import GPT, GPTConfig
+    from graphlm.sample import Generator
+    pytest.importorskip("graphlm.executors.native").library()
+    model = GPT(GPTConfig(vocab_size=11, context_length=8, channels=16, head_count=2, layer_count=1, dropout=0.0))
+    params = model.init(seed=2)
+    tokens = np.array([[1, 2, 3], [4, 5, 6]])
+    want = model.logits(params, tokens, executor="reference")[:, -1]
+    layouts = {}
+    for executor in ("numpy", "native"):
+        gen = Generator(model, params, batch_size=2, executor=executor)
+        decode = gen._graphs[None][0]
+        layouts[executor] = sorted(k.rsplit(".", 2)[-1] if "panels" in k else k.rsplit(".", 1)[-1]
+                                   for k in decode.params if k not in params)
+        assert all(gen.state[k] is v for k, v in params.items())
+        np.testing.assert_allclose(gen.prefill(tokens), want, rtol=1e-5, atol=1e-6)
+    assert layouts["numpy"] == ["T"] * 4                              # three Linears and the head
+    assert layouts["native"] == ["panels"] * 5                        # and the qkv weight, read as it is
 
 
 def test_a_rule_that_changes_the_shape_is_refused():

@@ -63,6 +63,7 @@ SIGNATURES = {   # C function -> argument types (every function returns void)
     "gl_matmul_small": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I),
     "gl_matmul_small_nt": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I),
     "gl_matmul_large": (_P, _I, _I, _I, _I, _I, _I),
+    "gl_matmul_panels": (_P, _I, _I, _I, _I, _I, _I),
     "gl_team_run": (_P, _I),
     "gl_cached_attention": (_P,) * 8 + (_I,) * 9 + (_F,),
     "gl_causal_attention": (_P, _I, _I, _F),

@@ -1,5 +1,6 @@
 /* graphlm's native products: matmuls of few rows (decoding, short prefills), large products
- * (training, long prefills) by the same NN kernel, and the one BLAS call made from C
+ * (training, long prefills) and panel products (a Generator's, B in column panels) by the same
+ * NN chains, and the one BLAS call made from C
  * (executors/native/products.py binds them; kernels.h says what every C file here shares). */
 #include "kernels.h"
 
@@ -196,6 +197,96 @@ void gl_matmul_small(const float *a, const float *b, float *o, const int64_t *of
                    ldb, ldo, j0, j1);
 }
 
+
+/* ---- panel products: x @ B (+ bias), B held in column panels (graphlm.ops.panel_matmul) ---- */
+
+/* R rows x Q panels of 32 columns (panel q at pn + q * k * 32: k rows of 32 floats, one after the
+ * other), each element the NN chain above (acc = 0; acc = MADD(a[i][p], b[p][j], acc) for p in
+ * order), then stored plus bias[j] where there is a bias: the bits of the product, then of the
+ * add. The last panel stores its first `w_last` columns (the rest is padding). Blocks of 4 rows
+ * or more read their panels PANEL_AHEAD floats ahead (from L3: a decode step's weights do not
+ * stay in L2); a 1- or 2-row block reads Q panels at once, streams the prefetcher follows. */
+#define PANEL_AHEAD 256
+#define PANEL_BLOCK(R, Q)                                                                       \
+    static inline __attribute__((always_inline)) void panel_block_##R##x##Q(const float *a,     \
+            const float *pn, const float *bias, float *o, int64_t k, int64_t lda, int64_t ldo,    \
+            int64_t w_last) {                                                                   \
+        float acc[R][Q][32];                                                                    \
+        for (int r = 0; r < R; r++)                                                             \
+            for (int q = 0; q < Q; q++)                                                         \
+                for (int j = 0; j < 32; j++) acc[r][q][j] = 0.0f;                               \
+        for (int64_t p = 0; p < k; p++)                                                         \
+            for (int q = 0; q < Q; q++) {                                                       \
+                const float *bp = pn + q * k * 32 + p * 32;                                     \
+                if (R >= 4) { __builtin_prefetch(bp + PANEL_AHEAD); __builtin_prefetch(bp + PANEL_AHEAD + 16); } \
+                for (int r = 0; r < R; r++) {                                                   \
+                    float ar = a[r * lda + p];                                                  \
+                    for (int j = 0; j < 32; j++) acc[r][q][j] = MADD(ar, bp[j], acc[r][q][j]);  \
+                }                                                                               \
+            }                                                                                   \
+        for (int r = 0; r < R; r++)                                                             \
+            for (int q = 0; q < Q; q++) {                                                       \
+                float *or_ = o + r * ldo + q * 32;                                              \
+                const int64_t w = q == Q - 1 ? w_last : 32;                                     \
+                if (bias && w == 32)                                                            \
+                    for (int j = 0; j < 32; j++) or_[j] = acc[r][q][j] + bias[q * 32 + j];      \
+                else if (w == 32)                                                               \
+                    for (int j = 0; j < 32; j++) or_[j] = acc[r][q][j];                         \
+                else                                                                            \
+                    for (int j = 0; j < w; j++) or_[j] = bias ? acc[r][q][j] + bias[q * 32 + j] : acc[r][q][j]; \
+            }                                                                                   \
+    }
+PANEL_BLOCK(8, 1)
+PANEL_BLOCK(4, 2)
+PANEL_BLOCK(4, 1)
+PANEL_BLOCK(2, 4)
+PANEL_BLOCK(2, 2)
+PANEL_BLOCK(2, 1)
+PANEL_BLOCK(1, 8)
+PANEL_BLOCK(1, 4)
+PANEL_BLOCK(1, 2)
+PANEL_BLOCK(1, 1)
+
+/* panels [c, c1) of R rows, Q at a time while Q fit (cn: the product's panels, n its columns) */
+#define PANEL_SPAN(R, Q)                                                                        \
+    for (; c + Q <= c1; c += Q)                                                                 \
+        panel_block_##R##x##Q(a + i * lda, pn + c * k * 32, bias ? bias + c * 32 : 0, o + i * ldo + c * 32, \
+                              k, lda, ldo, c + Q == cn ? n - (cn - 1) * 32 : 32);
+
+#define PANEL_ROWS 64   /* rows of a taken through all the panels at once (they stay in L2) */
+
+/* rows [i0, i1) x panels [c0, c1) of one product: in runs of PANEL_ROWS rows, each panel read
+ * once for all the 8-row blocks of a run, then the run's last rows */
+static void panel_rows(const float *a, const float *pn, const float *bias, float *o, int64_t k,
+                       int64_t lda, int64_t ldo, int64_t n, int64_t i0, int64_t i1, int64_t c0, int64_t c1) {
+    const int64_t cn = (n + 31) / 32;
+    for (int64_t r0 = i0; r0 < i1; r0 += PANEL_ROWS) {
+        const int64_t r1 = i1 - r0 < PANEL_ROWS ? i1 : r0 + PANEL_ROWS, eights = r0 + (r1 - r0) / 8 * 8;
+        for (int64_t c = c0; c < c1; c++)
+            for (int64_t i = r0; i < eights; i += 8)
+                panel_block_8x1(a + i * lda, pn + c * k * 32, bias ? bias + c * 32 : 0, o + i * ldo + c * 32,
+                                k, lda, ldo, c + 1 == cn ? n - (cn - 1) * 32 : 32);
+        int64_t i = eights;
+        if (r1 - i >= 4) { int64_t c = c0; PANEL_SPAN(4, 2) PANEL_SPAN(4, 1) i += 4; }
+        if (r1 - i >= 2) { int64_t c = c0; PANEL_SPAN(2, 4) PANEL_SPAN(2, 2) PANEL_SPAN(2, 1) i += 2; }
+        if (r1 - i >= 1) { int64_t c = c0; PANEL_SPAN(1, 8) PANEL_SPAN(1, 4) PANEL_SPAN(1, 2) PANEL_SPAN(1, 1) }
+    }
+}
+
+/* out[e] = a[e] @ B[e] (+ bias[e]) for the entries e in [e0, e1), rows [i0, i1), panels [c0, c1).
+ * plan: a, panels, bias (0: none), out, offsets (addresses), k, lda, ldo, n; entry e's operands
+ * start at offsets[4e .. 4e + 3] elements past a, panels, bias and out; a [m, k] with rows lda
+ * apart, B [k, n] as ceil(n / 32) panels (graphlm.ops.to_panels, width 32), out [m, n] with rows
+ * ldo apart, the bias one row of n floats. */
+void gl_matmul_panels(const int64_t *plan, int64_t e0, int64_t e1, int64_t i0, int64_t i1, int64_t c0, int64_t c1) {
+    const float *a = (const float *)(intptr_t)plan[0], *pn = (const float *)(intptr_t)plan[1];
+    const float *bias = (const float *)(intptr_t)plan[2];
+    float *o = (float *)(intptr_t)plan[3];
+    const int64_t *f = (const int64_t *)(intptr_t)plan[4];
+    for (int64_t e = e0; e < e1; e++)
+        panel_rows(a + f[4 * e], pn + f[4 * e + 1], bias ? bias + f[4 * e + 2] : 0, o + f[4 * e + 3],
+                   plan[5], plan[6], plan[7], plan[8], i0, i1, c0, c1);
+}
 
 /* NT, rows [i0, i1) x columns [j0, j1) of one product, one dot product at a time */
 static void nt_scalar(const float *a, const float *bt, float *o, int64_t i0, int64_t i1,

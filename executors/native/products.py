@@ -1,4 +1,4 @@
-"""The native executor's matmuls: small and large products in C, BLAS products cut over the C team.
+"""The native executor's matmuls: small, large and panel products in C; BLAS products on the C team.
 
 Small products. BLAS takes other paths for a product of 1 row (GEMV) and of 8 (small-m GEMM,
 at a third of the core's rate), so a batch-8 decode step cost 2-3x what it could and its rows
@@ -15,8 +15,12 @@ each element is again one chain of fused multiply-adds over k in order, so its b
 depend on the cut or the thread. With AVX-512 it keeps up with OpenBLAS's AVX-512 kernels and
 passes its AVX2 ones (docs/performance.md), so it is used where the C code is compiled for
 AVX-512 and NumPy's OpenBLAS runs other kernels (an older OpenBLAS, or OPENBLAS_CORETYPE set, as
-on this project's machines; `large_products_in_c`); elsewhere NumPy's BLAS runs them (the cuts
+on some of this project's machines; `large_products_in_c`); elsewhere NumPy's BLAS runs them (the cuts
 below, on the team). `LARGE_PRODUCTS_IN_C` True or False forces the choice.
+
+Panel products. A Generator's products on this executor read B in column panels, the bias
+added at the store (graphlm.ops.panel_matmul, gl_matmul_panels): the small kernel's NN chains
+at any row count, B read straight through memory.
 """
 from __future__ import annotations
 
@@ -180,6 +184,80 @@ def large_matmul_closure(a, b, out):
     run.arrays = (a, b, out, plan, offsets)   # (the plan's addresses point into these)
     run.large_product = True
     return run
+
+
+# == panel products: x @ B (+ bias) with B in column panels (a Generator's fixed weights) ==================
+# graphlm.ops.panel_matmul, made by the panel_weights pass: a panel of B is k rows of 32 floats one
+# after the other, which the blocks of gl_matmul_panels read straight through (products.c). Its
+# elements are gl_matmul_small's NN chains (then the bias add), so a decode step's bits are the
+# same as with B in rows.
+
+PANEL_WIDTH = 32   # the panels gl_matmul_panels takes (graphlm.passes.panel_weights makes them)
+
+
+def panel_product_plan(x, panels, bias, out) -> tuple[np.ndarray, np.ndarray] | None:
+    """(gl_matmul_panels' plan words: x, panels, bias, out, offsets, k, lda, ldo, n; the entries'
+    offsets [entries, 4]), or None where it does not take the product: not float32, empty,
+    panels not 32 wide or not contiguous, x's or out's rows not contiguous, a bias not one
+    contiguous row per entry."""
+    arrays = (x, panels, out) + (() if bias is None else (bias,))
+    if any(t.dtype != np.float32 for t in arrays) or out.size == 0 or panels.shape[-1] != PANEL_WIDTH:
+        return None
+    f, k, (m, n) = 4, x.shape[-1], out.shape[-2:]
+    dense = (k * PANEL_WIDTH * f, PANEL_WIDTH * f, f)   # (a stride along an axis of one element says nothing)
+    if any(d > 1 and st != want for d, st, want in zip(panels.shape[-3:], panels.strides[-3:], dense)) \
+            or out.strides[-1] != f or not (x.strides[-1] == f or k <= 1) \
+            or any(t.strides[-2] % f or t.strides[-2] < 0 for t in (x, out)):
+        return None
+    batch = out.shape[:-2]
+    rowed = np.broadcast_to(bias, out.shape) if bias is not None else None
+    if rowed is not None and ((rowed.strides[-1] != f and n > 1) or (rowed.strides[-2] != 0 and m > 1)):
+        return None
+    parts = [entry_offsets(x, batch), entry_offsets(panels[..., 0, :, :], batch),
+             entry_offsets(rowed, batch) if rowed is not None else np.zeros(int(np.prod(batch)), np.int64),
+             entry_offsets(out, batch)]
+    if any(p is None for p in parts):
+        return None
+    offsets = np.ascontiguousarray(np.stack(parts, axis=1))
+    plan = np.array([ptr(x), ptr(panels), ptr(bias) or 0, ptr(out), ptr(offsets), k, x.strides[-2] // f,
+                     out.strides[-2] // f, n], np.int64)
+    return plan, offsets
+
+
+def panel_matmul_closure(x, panels, bias, out):
+    """``x @ B (+ bias) -> out`` by gl_matmul_panels, or None (panel_product_plan). On n threads:
+    n pieces on the C worker team, cut along the rows (a multiple of LARGE_ROW_QUANTUM) where the
+    product has more rows than the panels have columns, else along the panels (or the entries,
+    where that cut is more even); every piece computes its elements as the whole does."""
+    found = panel_product_plan(x, panels, bias, out)
+    if found is None:
+        return None
+    plan, offsets = found
+    fn = library().gl_matmul_panels
+    m, n, entries, cn = out.shape[-2], out.shape[-1], len(offsets), panels.shape[-3]
+    whole = functools.partial(fn, ptr(plan), 0, entries, 0, m, 0, cn)
+
+    def tables_for(threads):
+        if 2 * entries * m * n * x.shape[-1] < TEAM_MIN_FLOPS:
+            return None
+        by_entry, by_panel = even_cuts(entries, threads), even_cuts(cn, threads)
+        if m > n:
+            parts = [(0, entries, i0, i1, 0, cn) for i0, i1 in even_cuts(m, threads, LARGE_ROW_QUANTUM)]
+        elif max(e - s for s, e in by_entry) / entries <= max(e - s for s, e in by_panel) / cn:
+            parts = [(e0, e1, 0, m, 0, cn) for e0, e1 in by_entry]
+        else:
+            parts = [(0, entries, 0, m, c0, c1) for c0, c1 in by_panel]
+        return call_tables([functools.partial(fn, ptr(plan), *part) for part in parts])
+    run = team_closure(whole, tables_for)
+    run.arrays = (x, panels, bias, out, plan, offsets)   # (the plan's addresses point into these)
+    run.panel_product = True
+    return run
+
+
+@native_kernel("panel_matmul", rounds_own_way=True)
+def _panel_matmul(node, out, ins, scratch):
+    x, panels, *bias = ins
+    return panel_matmul_closure(x, panels, bias[0] if bias else None, out)
 
 
 # == BLAS products on the team (a training step's products on n threads) ==================================

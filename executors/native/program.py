@@ -1,6 +1,8 @@
 """The native executor's program (a `NumpyProgram` on the native kernel table) and executor."""
 from __future__ import annotations
 
+from graphlm.passes.panel_weights import PANEL_WEIGHTS
+
 from ..numpy import NumpyProgram
 from .build import available, library
 from .table import KERNELS
@@ -27,6 +29,7 @@ class NativeExecutor:
 
     name = "native"
     kernels = KERNELS
+    fixed_weights_pass = PANEL_WEIGHTS   # the layout of weights that stay fixed (graphlm.sample)
 
     @staticmethod
     def available() -> bool:

@@ -11,8 +11,9 @@
   (attention's scale and causal mask folded into softmax), dropout_masks.py (one keep mask, a
   tensor, shared by a dropout and its backward), kept_values.py (what a tanh GELU, a layer norm
   and a causal attention keep for their backward, as tensors of the graph), transposed_weights.py
-  (a product with a param's transpose reads the transpose as a param of its own: for the
-  Generator, whose params stay fixed; in no pipeline).
+  (a product with a param's transpose reads the transpose as a param of its own) and
+  panel_weights.py (a product with a param reads it in column panels, its bias added in the
+  product): the weight layouts of the Generator, whose params stay fixed; in no pipeline.
 - pipelines.py: `PIPELINES`, the passes each executor runs (an executor names its pipeline).
 
 Every op a pass produces is registered in graphlm/ops.py ("ops the graph passes produce"; the
