@@ -533,6 +533,26 @@ def test_a_failing_compiler_shows_its_command_and_leaves_no_file(fresh_build, mo
     assert not list(fresh_build.glob("*"))
 
 
+def test_host_flags_the_compiler_refuses_are_dropped_one_set_at_a_time(fresh_build, monkeypatch, tmp_path):
+    """On an AVX-512 CPU the build asks for 512-bit vectors first; a compiler that refuses the
+    flag builds with -march=native alone (and one that refuses that too, with neither)."""
+    import shutil
+    log = tmp_path / "calls"
+    picky = tmp_path / "picky-cc"
+    picky.write_text(f"#!/bin/sh\necho \"$*\" >> {log}\ncase \"$*\" in *-mprefer-vector-width*) "
+                     f"echo 'picky-cc: unknown flag' >&2; exit 1;; esac\nexec {shutil.which('cc')} \"$@\"\n")
+    picky.chmod(0o755)
+    monkeypatch.setenv("CC", str(picky))
+    monkeypatch.setattr(native.build, "cpu_flags", lambda: {"avx512f"})
+    assert native.build.host_flag_sets() == [("-march=native", "-mprefer-vector-width=512"), ("-march=native",), ()]
+    lib = native.library()
+    builds = [line for line in log.read_text().splitlines() if "-shared" in line]
+    assert ["-mprefer-vector-width=512" in b for b in builds] == [True, False]
+    assert "-march=native" in builds[1] and hasattr(lib, "gl_matmul_panels")
+    monkeypatch.setattr(native.build, "cpu_flags", lambda: {"avx2"})
+    assert native.build.host_flag_sets() == [("-march=native",), ()]
+
+
 def test_a_damaged_cached_library_is_built_again(tmp_path):
     """In new processes (a process that loaded the library keeps it mapped under its name)."""
     import os

@@ -1,9 +1,9 @@
 """Building and loading the native executor's C library (the C files in this folder).
 
 The C files are compiled into one library on first use (as tinygrad's CLANG back end does) with
-``$CC`` (default ``cc``) and ``-O3 -march=native``, into ``$GRAPHLM_CACHE_DIR`` (default
-``~/.cache/graphlm``), named by a hash of the sources, flags, compiler and CPU; later processes
-load the cached library. Its size and sha256 are recorded beside it at build time
+``$CC`` (default ``cc``) and ``-O3 -march=native`` (with AVX-512, 512-bit vectors preferred),
+into ``$GRAPHLM_CACHE_DIR`` (default ``~/.cache/graphlm``), named by a hash of the sources,
+flags, compiler and CPU; later processes load the cached library. Its size and sha256 are recorded beside it at build time
 (``native-KEY.so.json``) and checked before every load, with every kernel symbol: a truncated,
 damaged or incomplete file is built again, never mapped. A library is loaded only from a folder
 this user owns and no one else can write (the file and its record likewise); otherwise it is
@@ -37,6 +37,16 @@ HEADERS = (_HERE / "kernels.h",)   # what the C files share: part of the build's
 FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-std=c11",
          "-fPIC", "-shared", "-pthread")
 HOST_FLAGS = ("-march=native",)   # dropped when the compiler does not take it
+# With AVX-512, GCC's -march=native on Intel cores prefers 256-bit vectors (AMD's Zen 4 and 5:
+# 512); the products' 8 x 32 blocks then ran at half the core's rate (2048^3 at 97 GFLOP/s
+# against 138 with 512-bit ones, one thread of a Xeon with AVX-512: docs/performance.md).
+WIDE_FLAGS = ("-mprefer-vector-width=512",)   # where the CPU has avx512f; dropped first
+
+
+def host_flag_sets() -> list[tuple[str, ...]]:
+    """The host-specific flags to try, in order (the first the compiler takes is used)."""
+    wide = [HOST_FLAGS + WIDE_FLAGS] if "avx512f" in cpu_flags() else []
+    return wide + [HOST_FLAGS, ()]
 
 
 class NativeUnavailable(RuntimeError):
@@ -145,7 +155,7 @@ def _compile(cc: list[str], target: Path) -> None:
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     try:
         tried = []
-        for extra in (HOST_FLAGS, ()):
+        for extra in host_flag_sets():
             cmd = [*cc, *FLAGS, *extra, *map(str, SOURCES), "-o", str(tmp), "-lm"]
             done = _run_compiler(cmd)
             if done.returncode == 0:
@@ -226,7 +236,7 @@ def _build_and_load():
     except (OSError, subprocess.SubprocessError) as e:
         raise NativeUnavailable(f"the native executor could not run the C compiler '{' '.join(cc)}': {e}") from None
     sources = [src.read_text() for src in SOURCES + HEADERS]
-    key = hashlib.sha256("\0".join([*sources, " ".join(FLAGS + HOST_FLAGS), " ".join(cc), version,
+    key = hashlib.sha256("\0".join([*sources, " ".join(FLAGS + host_flag_sets()[0]), " ".join(cc), version,
                                     _cpu_signature()]).encode()).hexdigest()[:20]
     name = f"native-{key}.so"
     folder = _usable_cache_dir()
