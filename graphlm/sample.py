@@ -5,8 +5,8 @@ every attention module, ``cache.<module>.{k,v}`` of shape ``[B, H, T, D]``, and 
 the layout the executor reads best, taken once: ``W.T``, the transpose of each weight a product
 reads transposed (graphlm/passes/transposed_weights.py), or on the native executor ``W.panels``,
 each product's weight in column panels (graphlm/passes/panel_weights.py); so a Generator
-samples the weights it was given). Both are the model's
-own forward, called with an `nn.KVCache` that each attention module reads and writes
+samples the weights it was given). Both are the model's own forward, called with an
+`nn.KVCache` that each attention module reads and writes
 (`MultiheadAttention.attend_cached`), so any model whose blocks pass the cache along samples
 with it (every `GPTConfig` variant does):
 
@@ -336,8 +336,8 @@ class Generator:
     """Autoregressive decoding of `model` with a KV cache (module docstring). `params` are
     shared, not copied: the programs read them from the same `state` dict as the caches, and
     the weights' other layouts (``W.T``, ``W.panels``) taken from them here (after changing a
-    weight, make a new Generator). The batch size is fixed: `generate` samples one continuation, `generate_batch`
-    `batch_size` continuations of one prompt, decoded together."""
+    weight, make a new Generator). The batch size is fixed: `generate` samples one
+    continuation, `generate_batch` `batch_size` continuations of one prompt, decoded together."""
 
     def __init__(self, model, params: Mapping[str, np.ndarray], batch_size: int = 1,
                  executor: str = "numpy", keep: int | None = None):
