@@ -7,6 +7,7 @@ guarantee:
 - a row's bits do not depend on the rows around it, the thread count or the cut;
 - more rows than the small products take (a long prefill) against float64;
 - layouts it does not take run the reference kernel, and give the same values;
+- shapes that do not fit are refused when the node is made, with a message naming them;
 - a Generator's decode on the native executor gives the bits it gives with W.T in rows.
 """
 from __future__ import annotations
@@ -123,6 +124,25 @@ def test_panels_it_does_not_take_run_the_reference_kernel():
         got = prog.run({"x": x.astype(dtype)}, {"p": panels})[0]
         assert "panel_matmul" not in prog.native_ops()
         np.testing.assert_allclose(got, x.astype(np.float64) @ b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("x_shape,panels_shape,columns,bias_shape,message", [
+    ((4, 24), (2, 20, 32), 40, None, r"cannot multiply \[4,24\] by panels \[2,20,32\]"),
+    ((4, 24), (2, 24, 32), 65, None, r"2 panels of 32 columns cannot hold 65 columns"),
+    ((4, 24), (2, 24, 32), 32, None, r"2 panels of 32 columns cannot hold 32 columns"),
+    ((2, 4, 24), (3, 2, 24, 32), 40, None, r"cannot multiply .* \(batch dimensions do not broadcast\)"),
+    ((4, 24), (2, 24, 32), 40, (4, 40), r"bias \[4,40\] is not one row of 40"),
+    ((4, 24), (2, 24, 32), 40, (41,), r"bias \[41\] is not one row of 40"),
+])
+def test_a_panel_product_of_shapes_that_do_not_fit_is_refused_naming_them(x_shape, panels_shape, columns,
+                                                                           bias_shape, message):
+    from graphlm.ir import ShapeError
+    g = Graph("bad")
+    x, panels = g.input("x", x_shape, np.float32), g.param("p", panels_shape, np.float32)
+    bias = None if bias_shape is None else g.param("b", bias_shape, np.float32)
+    with pytest.raises(ShapeError, match=r"panel_matmul in <root>: " + message):
+        panel_matmul(x, panels, columns, bias)
+    assert [n.op for n in g.nodes if n.op == "panel_matmul"] == []   # nothing half-built
 
 
 @pytest.fixture(scope="module")
