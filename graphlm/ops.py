@@ -708,15 +708,21 @@ def split(x, n: int, axis: int = 0) -> list[Tensor]:
 # matmul
 # ================================================================================================
 
+def _product_batch(a: Tensor, b_batch: tuple, b_text: str) -> tuple[int, ...]:
+    """The batch axes of a product of `a` [..., m, k] and an operand whose batch axes are
+    `b_batch` (named `b_text` in the error), broadcast."""
+    try:
+        return tuple(np.broadcast_shapes(a.shape[:-2], b_batch))
+    except ValueError:
+        raise ShapeError(f"cannot multiply {fmt_shape(a.shape)} by {b_text} "
+                         "(batch dimensions do not broadcast)") from None
+
+
 def _infer_matmul(inputs, attrs):
     a, b = inputs
     if a.ndim < 2 or b.ndim < 2 or a.shape[-1] != b.shape[-2]:
         raise ShapeError(f"cannot multiply {fmt_shape(a.shape)} by {fmt_shape(b.shape)}")
-    try:
-        batch = tuple(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
-    except ValueError:
-        raise ShapeError(f"cannot multiply {fmt_shape(a.shape)} by {fmt_shape(b.shape)} "
-                         "(batch dimensions do not broadcast)") from None
+    batch = _product_batch(a, b.shape[:-2], fmt_shape(b.shape))
     return batch + (a.shape[-2], b.shape[-1]), _same_dtype(inputs)
 
 
@@ -1541,19 +1547,24 @@ def _infer_panel_matmul(inputs, attrs):
     c, w = panels.shape[-3], panels.shape[-1]
     if not (c - 1) * w < n <= c * w:
         raise ShapeError(f"{c} panels of {w} columns cannot hold {n} columns")
-    try:
-        batch = tuple(np.broadcast_shapes(x.shape[:-2], panels.shape[:-3]))
-    except ValueError:
-        raise ShapeError(f"cannot multiply {fmt_shape(x.shape)} by panels {fmt_shape(panels.shape)} "
-                         "(batch dimensions do not broadcast)") from None
-    shape = batch + (x.shape[-2], n)
-    if bias:
-        (b,) = bias
-        if b.ndim == 0 or b.shape[-1] != n or (b.ndim > 1 and b.shape[-2] != 1) \
-                or np.broadcast_shapes(b.shape, shape) != shape:
-            raise ShapeError(f"bias {fmt_shape(b.shape)} is not one row of {n} broadcast over "
-                             f"the product {fmt_shape(shape)}")
+    shape = _product_batch(x, panels.shape[:-3], f"panels {fmt_shape(panels.shape)}") + (x.shape[-2], n)
+    if bias and not panel_bias_fits(bias[0].shape, shape):
+        raise ShapeError(f"bias {fmt_shape(bias[0].shape)} is not one row of {n} broadcast over "
+                         f"the product {fmt_shape(shape)}")
     return shape, _same_dtype(inputs)
+
+
+def panel_bias_fits(bias_shape, shape) -> bool:
+    """Whether a bias of `bias_shape` is what panel_matmul adds to its product of `shape`: one
+    row of the product's columns ([..., 1, n] or [n]), broadcast over the product's rows and
+    batch without widening it (the panel_weights pass asks it of an add)."""
+    bias_shape, shape = tuple(bias_shape), tuple(shape)
+    if not bias_shape or bias_shape[-1] != shape[-1] or (len(bias_shape) > 1 and bias_shape[-2] != 1):
+        return False
+    try:
+        return tuple(np.broadcast_shapes(bias_shape, shape)) == shape
+    except ValueError:
+        return False
 
 
 def _panel_matmul_decompose(x, panels, *bias, columns):

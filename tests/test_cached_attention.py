@@ -126,6 +126,27 @@ def test_native_row_bits_do_not_depend_on_the_batch_or_the_threads(monkeypatch, 
         assert alone.tobytes() == batch[i:i + 1].tobytes(), i
 
 
+@pytest.mark.threads
+@pytest.mark.usefixtures("native")
+def test_a_batch1_decode_steps_attention_runs_on_both_threads():
+    """TinyLM's batch-1 step (6 heads, 128 cache slots of 32) has TEAM_MIN_FLOPS of work at a
+    full cache: on 2 threads its rows go to the team (3 each), with the bits of 1 thread."""
+    from graphlm.sample import Generator
+    model = GPT(GPTConfig.preset("tinylm", dropout=0.0))
+    params = model.init(seed=0)
+    logits = {}
+    for threads in (1, 2):
+        numpy_executor.set_threads(threads)
+        gen = Generator(model, params, executor="native")
+        gen.prefill(np.array([[5, 6, 7]]))
+        logits[threads] = gen.decode(np.array([8]))
+        prog = gen._program(None)
+        attention = [s for n, s in zip(prog._step_nodes, prog._steps) if n.op == "cached_attention"]
+        split = [s.arrays[-1].tables.get(threads) for s in attention]
+        assert len(attention) == 4 and all((t is not None) == (threads == 2) for t in split)
+    assert logits[1].tobytes() == logits[2].tobytes()
+
+
 @pytest.mark.parametrize("executor", ["reference"] + KERNEL_EXECUTORS)
 @pytest.mark.parametrize("position", [-1, T, T + 100])
 def test_a_position_outside_the_cache_is_an_error_naming_the_op(executor, position, request):

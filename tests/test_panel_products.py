@@ -133,6 +133,8 @@ def test_panels_it_does_not_take_run_the_reference_kernel():
     ((2, 4, 24), (3, 2, 24, 32), 40, None, r"cannot multiply .* \(batch dimensions do not broadcast\)"),
     ((4, 24), (2, 24, 32), 40, (4, 40), r"bias \[4,40\] is not one row of 40"),
     ((4, 24), (2, 24, 32), 40, (41,), r"bias \[41\] is not one row of 40"),
+    ((3, 4, 24), (2, 24, 32), 40, (2, 1, 40), r"bias \[2,1,40\] is not one row of 40"),   # batch 2 vs 3
+    ((4, 24), (2, 24, 32), 40, (2, 1, 40), r"bias \[2,1,40\] is not one row of 40"),      # would widen it
 ])
 def test_a_panel_product_of_shapes_that_do_not_fit_is_refused_naming_them(x_shape, panels_shape, columns,
                                                                            bias_shape, message):

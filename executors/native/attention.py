@@ -161,9 +161,8 @@ def _cached_attention(node, out, ins, scratch):
 
     def pieces(threads):
         """On n threads: (a gl_team_run table of n row ranges,) where the work at a full cache
-        reaches TEAM_MIN_FLOPS; else None (whole on this thread). (TinyLM's batch-1 step, 6 rows
-        of a 128-slot cache, is split: 2 threads, 382 -> 361 us a decode step; at 4
-        TEAM_MIN_FLOPS it ran whole.)"""
+        reaches TEAM_MIN_FLOPS; else None (whole on this thread): TinyLM's batch-1 step, 6 rows
+        of a 128-slot cache, is split (docs/performance.md)."""
         full_cache_flops = 4 * rows * t * d   # the scores and the weighted sum over every slot
         if threads < 2 or rows < 2 or full_cache_flops < TEAM_MIN_FLOPS:
             return None

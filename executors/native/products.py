@@ -28,6 +28,8 @@ import functools
 
 import numpy as np
 
+from graphlm.passes.panel_weights import PANEL_WIDTH   # (the panels gl_matmul_panels takes)
+
 from ..numpy.matmul import matmul_closure, matmul_parts, matmul_sum_closure, probe_like, same_bits, strided_empty
 from ..numpy.pool import blas_core
 from ..numpy.tiling import even_cuts
@@ -192,7 +194,6 @@ def large_matmul_closure(a, b, out):
 # elements are gl_matmul_small's NN chains (then the bias add), so a decode step's bits are the
 # same as with B in rows.
 
-PANEL_WIDTH = 32   # the panels gl_matmul_panels takes (graphlm.passes.panel_weights makes them)
 
 
 def panel_product_plan(x, panels, bias, out) -> tuple[np.ndarray, np.ndarray] | None:

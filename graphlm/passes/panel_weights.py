@@ -6,15 +6,15 @@ For programs whose params stay fixed over many runs, on executors whose kernels 
 native executor's `fixed_weights_pass`): the Generator's prefill and decode graphs
 (graphlm/sample.py), which take ``W.panels`` from `panel_params` once. A decode step's products
 stream every weight from memory; a panel is read straight through (k rows of PANEL_WIDTH floats
-one after the other) where B's rows sit n floats apart, which the native small products run
-15-25 % faster (docs/performance.md), and the bias add is one NumPy call less per product. Every
+one after the other) where B's rows sit n floats apart, which the native products run faster
+(docs/performance.md), and the bias add is one NumPy call less per product. Every
 value rounds as the product and the add it replaces (the native kernel's chain of fused
 multiply-adds over k, then one add), so a row of a batch still rounds as that row alone.
 
 The alternative to `transposed_weights` (a program takes one or the other). A W of more than
 MAX_BYTES stays as it is, read in place: GPT-2 small's tied head (154 MB, which the embedding
 reads too) streams as fast by the one-row NT kernel, and a copy would cost its size again; its
-blocks' weights (2.4-9.4 MB) take panels, which made its decode step 20 % faster (2 threads).
+blocks' weights (2.4-9.4 MB) take panels.
 """
 from __future__ import annotations
 
@@ -23,10 +23,10 @@ from typing import Mapping
 import numpy as np
 
 from graphlm.ir import Graph
-from graphlm.ops import to_panels
+from graphlm.ops import panel_bias_fits, to_panels
 
 from .rewrite import Pass, Rule
-from .transposed_weights import _last_two_swapped
+from .transposed_weights import last_two_swapped
 
 PANEL_WIDTH = 32            # columns per panel: the native products' column block (products.c)
 MAX_BYTES = 16 << 20        # a larger W stays as it is (above)
@@ -38,7 +38,7 @@ def _fixed_weight(b):
     or its transpose (last two axes), else None."""
     if b.op == "param" and b.ndim >= 2:
         return b.name + SUFFIX, b
-    if b.op == "transpose" and b.inputs[0].op == "param" and _last_two_swapped(b.attrs["axes"]):
+    if b.op == "transpose" and b.inputs[0].op == "param" and last_two_swapped(b.attrs["axes"]):
         return b.inputs[0].name + ".T" + SUFFIX, b.inputs[0]
     return None
 
@@ -65,12 +65,10 @@ def _add_bias(node, ctx):
         made = ctx.new(product) if product.op == "matmul" else None
         if made is None or made.op != "panel_matmul" or len(made.inputs) != 2 or not ctx.private(product):
             continue
-        shape, n = made.shape, made.shape[-1]
-        if bias.dtype != made.dtype or bias.ndim == 0 or bias.shape[-1] != n \
-                or (bias.ndim > 1 and bias.shape[-2] != 1) or node.shape != shape:
+        if bias.dtype != made.dtype or not panel_bias_fits(bias.shape, made.shape):
             continue
         ctx.absorb(product)
-        return ctx.emit("panel_matmul", (*made.inputs, ctx.new(bias)), columns=n)
+        return ctx.emit("panel_matmul", (*made.inputs, ctx.new(bias)), columns=made.shape[-1])
     return None
 
 

@@ -34,14 +34,14 @@ def transposed_name(name: str) -> str:
     return name + SUFFIX
 
 
-def _last_two_swapped(axes) -> bool:
+def last_two_swapped(axes) -> bool:
     n = len(axes)
     return n >= 2 and tuple(axes) == tuple(range(n - 2)) + (n - 1, n - 2)
 
 
 def _read_transposed(node, ctx):
     a, b = node.inputs
-    if (b.op != "transpose" or b.inputs[0].op != "param" or not _last_two_swapped(b.attrs["axes"])
+    if (b.op != "transpose" or b.inputs[0].op != "param" or not last_two_swapped(b.attrs["axes"])
             or b.nbytes > MAX_BYTES):
         return None
     name = transposed_name(b.inputs[0].name)
