@@ -3,12 +3,13 @@
 The C files are compiled into one library on first use (as tinygrad's CLANG back end does) with
 ``$CC`` (default ``cc``) and ``-O3 -march=native`` (with AVX-512, 512-bit vectors preferred),
 into ``$GRAPHLM_CACHE_DIR`` (default ``~/.cache/graphlm``), named by a hash of the sources,
-flags, compiler and CPU; later processes load the cached library. Its size and sha256 are recorded beside it at build time
-(``native-KEY.so.json``) and checked before every load, with every kernel symbol: a truncated,
-damaged or incomplete file is built again, never mapped. A library is loaded only from a folder
-this user owns and no one else can write (the file and its record likewise); otherwise it is
-built in a private temporary folder that is removed once the library is loaded. Without a
-working compiler, `library()` raises `NativeUnavailable` saying what failed.
+flags, compiler and CPU; later processes load the cached library. Its size and sha256 are
+recorded beside it at build time (``native-KEY.so.json``) and checked before every load, with
+every kernel symbol: a truncated, damaged or incomplete file is built again, never mapped. A
+library is loaded only from a folder this user owns and no one else can write (the file and its
+record likewise); otherwise it is built in a private temporary folder that is removed once the
+library is loaded. Without a working compiler, `library()` raises `NativeUnavailable` saying
+what failed.
 """
 from __future__ import annotations
 

@@ -15,8 +15,8 @@ each element is again one chain of fused multiply-adds over k in order, so its b
 depend on the cut or the thread. With AVX-512 it keeps up with OpenBLAS's AVX-512 kernels and
 passes its AVX2 ones (docs/performance.md), so it is used where the C code is compiled for
 AVX-512 and NumPy's OpenBLAS runs other kernels (an older OpenBLAS, or OPENBLAS_CORETYPE set, as
-on some of this project's machines; `large_products_in_c`); elsewhere NumPy's BLAS runs them (the cuts
-below, on the team). `LARGE_PRODUCTS_IN_C` True or False forces the choice.
+on some of this project's machines; `large_products_in_c`); elsewhere NumPy's BLAS runs them
+(the cuts below, on the team). `LARGE_PRODUCTS_IN_C` True or False forces the choice.
 
 Panel products. A Generator's products on this executor read B in column panels, the bias
 added at the store (graphlm.ops.panel_matmul, gl_matmul_panels): the small kernel's NN chains
@@ -68,6 +68,13 @@ def small_product_layout(a, b, out):
     return name, a.strides[-2] // f, ldb, out.strides[-2] // f, np.ascontiguousarray(np.stack(parts, axis=1))
 
 
+def entries_more_even(by_entry, entries: int, by_column, columns: int) -> bool:
+    """Whether a cut of the batch entries (`by_entry`, even_cuts' ranges) shares a product out
+    at least as evenly as the cut of its columns (or panels) `by_column`: the largest piece's
+    share of the whole, the entries on a tie."""
+    return max(e - s for s, e in by_entry) / entries <= max(e - s for s, e in by_column) / columns
+
+
 def small_matmul_closure(a, b, out):
     """``a @ b -> out`` by the C kernel for products of few rows, or None (small_product_layout).
     Every element is computed the same way whatever the rows around it or the thread (see
@@ -90,8 +97,8 @@ def small_matmul_closure(a, b, out):
         if threads < 2 or 2 * entries * m * k * n < TEAM_MIN_FLOPS:
             return []
         by_entry, by_column = even_cuts(entries, threads), even_cuts(n, threads, SMALL_COLUMN_QUANTUM)
-        if max(e - s for s, e in by_entry) / entries <= max(e - s for s, e in by_column) / n:
-            cuts = [(e0, e1, 0, n) for e0, e1 in by_entry]     # the more even cut (entries on a tie)
+        if entries_more_even(by_entry, entries, by_column, n):
+            cuts = [(e0, e1, 0, n) for e0, e1 in by_entry]
         else:
             cuts = [(0, entries, j0, j1) for j0, j1 in by_column]
         return cuts if len(cuts) > 1 else []
@@ -195,7 +202,6 @@ def large_matmul_closure(a, b, out):
 # same as with B in rows.
 
 
-
 def panel_product_plan(x, panels, bias, out) -> tuple[np.ndarray, np.ndarray] | None:
     """(gl_matmul_panels' plan words: x, panels, bias, out, offsets, k, lda, ldo, n; the entries'
     offsets [entries, 4]), or None where it does not take the product: not float32, empty,
@@ -244,7 +250,7 @@ def panel_matmul_closure(x, panels, bias, out):
         by_entry, by_panel = even_cuts(entries, threads), even_cuts(cn, threads)
         if m > n:
             parts = [(0, entries, i0, i1, 0, cn) for i0, i1 in even_cuts(m, threads, LARGE_ROW_QUANTUM)]
-        elif max(e - s for s, e in by_entry) / entries <= max(e - s for s, e in by_panel) / cn:
+        elif entries_more_even(by_entry, entries, by_panel, cn):
             parts = [(e0, e1, 0, m, 0, cn) for e0, e1 in by_entry]
         else:
             parts = [(0, entries, 0, m, c0, c1) for c0, c1 in by_panel]
