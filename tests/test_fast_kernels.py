@@ -377,6 +377,28 @@ def test_the_cuts_chosen_for_training_shapes_round_as_the_whole(dtype):
         numpy_executor.set_threads(1)
 
 
+@pytest.mark.threads
+@pytest.mark.parametrize("m, n, axis", [(64, 256, 1), (256, 64, 0), (96, 96, 0)])
+def test_a_product_is_cut_where_its_pieces_read_less_twice(m, n, axis):
+    """Every row block reads all of b and every column block all of a: a product of few rows
+    and many columns (a weight gradient x^T @ g) is cut into column blocks, a tall one (or a
+    square one) into row blocks; on a BLAS where that cut does not round as the whole, the other."""
+    rng = np.random.default_rng(3)
+    k = 512
+    a = rng.standard_normal((k, m)).astype(np.float32).T   # (a transposed view, as x^T)
+    b = rng.standard_normal((k, n)).astype(np.float32)
+    out = np.full((m, n), np.nan, np.float32)
+    pieces = matmul.matmul_parts(a, b, out, 2)
+    assert len(pieces) == 2
+    exact = matmul.pieces_round_as_whole(a, b, np.empty_like(out), axis,
+                                         [(0, (m, n)[axis] // 2), ((m, n)[axis] // 2, (m, n)[axis])])
+    along = 1 if all(po.shape[0] == m for _, _, po in pieces) else 0
+    assert along == (axis if exact else 1 - axis)
+    for pa, pb, po in pieces:
+        np.matmul(pa, pb, po)
+    assert out.tobytes() == (a @ b).tobytes()
+
+
 def _exact_matmul(a, b, out):
     """A stand-in BLAS that adds every entry's k products in order, whatever the rows."""
     np.sum(a[..., :, :, None] * b[..., None, :, :], axis=-2, out=out)
@@ -406,7 +428,7 @@ def test_a_cut_is_used_only_when_its_pieces_round_as_the_whole(monkeypatch):
     asked = []
     monkeypatch.setattr(matmul, "_cuts_round_as_whole", lambda *args: asked.append(args[3:]) or False)
     assert matmul.matmul_parts(a, b, out, 2) == []
-    assert asked and all(axis == 0 for axis, _ in asked)
+    assert asked and asked[0][0] == 0 and {axis for axis, _ in asked} == {0, 1}   # rows first, then columns
     # a batched product falls back from a rejected cut to the next best
     batched = rng.standard_normal((4, 100, 30)).astype(np.float32)
     out3 = np.empty((4, 100, 20), np.float32)

@@ -16,6 +16,7 @@ from .tiling import balanced_axis, cut_along, even_cuts, flat_view
 
 
 ROW_QUANTUM_CANDIDATES = (8, 16, 24, 32, 48, 64, 96)   # matmul row blocks: see matmul_parts
+COLUMN_QUANTUM_CANDIDATES = (16, 32, 64, 96)           # and column blocks
 
 
 def strided_empty(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -53,14 +54,23 @@ def pieces_round_as_whole(a, b, out, axis: int, cuts, matmul=np.matmul) -> bool:
     rng = np.random.default_rng(0)
     pa, pb = probe_like(a, rng), probe_like(b, rng)
     matmul(pa, pb, out)
-    rows = axis == out.ndim - 2
     for s, e in cuts:
         want = cut_along(out, out.ndim, axis, s, e)
         got, _ = strided_empty(want)
-        matmul(cut_along(pa, out.ndim, axis, s, e), pb if rows else cut_along(pb, out.ndim, axis, s, e), got)
+        matmul(*operand_pieces(pa, pb, out.ndim, axis, s, e), got)
         if not same_bits(got, want):
             return False
     return True
+
+
+def operand_pieces(a, b, out_ndim: int, axis: int, start: int, stop: int):
+    """(a's piece, b's piece) whose product is out's piece [start, stop) along `axis`: a row
+    block reads all of b, a column block all of a, a batch block both operands' entries."""
+    if axis == out_ndim - 2:
+        return cut_along(a, out_ndim, axis, start, stop), b
+    if axis == out_ndim - 1:
+        return a, cut_along(b, out_ndim, axis, start, stop)
+    return cut_along(a, out_ndim, axis, start, stop), cut_along(b, out_ndim, axis, start, stop)
 
 
 _checked_cuts: dict[tuple, bool] = {}
@@ -77,33 +87,39 @@ def _cuts_round_as_whole(a, b, out, axis: int, cuts) -> bool:
 
 def matmul_parts(a, b, out, n):
     """[(a_i, b_i, out_i)]: ``a @ b -> out`` cut into at most n products along out's largest
-    batch axis or into blocks of rows (at multiples of one of ROW_QUANTUM_CANDIDATES rows), the
-    best balanced cut first (a batch cut on a tie: it leaves every GEMM as it was). A cut is used
-    only when its pieces round exactly as the whole product, tried once per distinct product on
-    random operands of its shapes (`pieces_round_as_whole`): BLAS kernels compute rows in
-    register tiles and take other paths for small products, so which cuts are exact depends on
-    the BLAS, its kernel and the shape. No exact cut: [] (the product stays whole)."""
+    batch axis, into blocks of rows (at multiples of one of ROW_QUANTUM_CANDIDATES) or into
+    blocks of columns (COLUMN_QUANTUM_CANDIDATES), the best balanced cut first. On a tie a batch
+    cut (it leaves every GEMM as it was), then the cut that reads less twice: every row block
+    reads all of b (k x n), every column block all of a (m x k), so columns where n > m (a
+    weight gradient of few rows and many columns, where the row blocks each packed all of the
+    wide gradient). A cut is used only when its pieces round exactly as the whole product,
+    tried once per distinct product on random operands of its shapes (`pieces_round_as_whole`):
+    BLAS kernels compute in register tiles and take other paths for small products, so which
+    cuts are exact depends on the BLAS, its kernel and the shape. No exact cut: [] (the product
+    stays whole)."""
     if a.ndim < 2 or b.ndim < 2:
         return []
     options = []   # (largest piece / total, prefer, axis of out, cuts)
     batch = balanced_axis(out.shape[:-2], n)
     if batch is not None:
         options.append((batch[0], 0, batch[1], batch[2]))
-    m, seen = out.shape[-2], set()
-    for quantum in ROW_QUANTUM_CANDIDATES:
-        if m <= quantum:
-            break
-        cuts = even_cuts(m, n, quantum)
-        if cuts[-1][1] - cuts[-1][0] == 1:   # NumPy runs a one-row product as a gemv (other rounding)
-            cuts = cuts[:-2] + [(cuts[-2][0], m)]
-        if len(cuts) > 1 and tuple(cuts) not in seen:
-            seen.add(tuple(cuts))
-            options.append((max(e - s for s, e in cuts) / m, 1, out.ndim - 2, cuts))
+    m, cols = out.shape[-2:]
+    for axis, length, quanta, prefer in ((out.ndim - 2, m, ROW_QUANTUM_CANDIDATES, 1 if m >= cols else 2),
+                                         (out.ndim - 1, cols, COLUMN_QUANTUM_CANDIDATES, 2 if m >= cols else 1)):
+        seen = set()
+        for quantum in quanta:
+            if length <= quantum:
+                break
+            cuts = even_cuts(length, n, quantum)
+            if cuts[-1][1] - cuts[-1][0] == 1:   # NumPy runs a one-row (one-column) product as a gemv
+                cuts = cuts[:-2] + [(cuts[-2][0], length)]
+            if len(cuts) > 1 and tuple(cuts) not in seen:
+                seen.add(tuple(cuts))
+                options.append((max(e - s for s, e in cuts) / length, prefer, axis, cuts))
     for _, _, axis, cuts in sorted(options, key=lambda o: o[:2]):
         if _cuts_round_as_whole(a, b, out, axis, cuts):
-            rows = axis == out.ndim - 2
-            return [(cut_along(a, out.ndim, axis, s, e), b if rows else cut_along(b, out.ndim, axis, s, e),
-                     cut_along(out, out.ndim, axis, s, e)) for s, e in cuts]
+            return [(*operand_pieces(a, b, out.ndim, axis, s, e), cut_along(out, out.ndim, axis, s, e))
+                    for s, e in cuts]
     return []
 
 
