@@ -55,8 +55,8 @@ enum { P_T, P_D, P_M, P_NB, P_SGEMM, P_KIND, P_OWN, P_LD, P_OFFSETS = P_LD + 4, 
        P_BOUNDS = P_ARRAYS + PLAN_ARRAYS };
 const int64_t gl_attention_plan_arrays = PLAN_ARRAYS;   /* read by executors/native/attention.py */
 
-#define PACK_FLOATS 65536   /* per thread and operand: a transposed operand of an attention product */
-static _Thread_local float pack_a[PACK_FLOATS], pack_b[PACK_FLOATS];
+#define PACK_FLOATS 65536   /* per thread: one matrix's k (or v) transposed, t x d floats */
+static _Thread_local float pack[PACK_FLOATS];
 
 /* x [rows, cols] at row stride ld, transposed into xt [cols, rows] (contiguous) */
 static void transpose_into(const float *x, int64_t rows, int64_t cols, int64_t ld, float *xt) {
@@ -64,26 +64,39 @@ static void transpose_into(const float *x, int64_t rows, int64_t cols, int64_t l
         for (int64_t j = 0; j < cols; j++) xt[j * rows + i] = x[i * ld + j];
 }
 
-/* An attention plan's product c = op(a) @ op(b) (gl_sgemm's arguments). Where the plan says so
- * (P_OWN) and a transposed operand fits PACK_FLOATS, in C: the transposed operands packed, then
- * the small products' NN kernel (8 x 32 register blocks; each element one chain of fused
- * multiply-adds over k in order): score blocks are small (64 x 64 to 64 x 1024, k = d), where
- * a BLAS call's own packing and dispatch weigh (docs/performance.md); else by the plan's sgemm. */
-static void plan_product(const int64_t *plan, int ta, int tb, int64_t m, int64_t n, int64_t k, const float *a,
+/* An attention plan's product c = op(a) @ b (ta: a stored [k, m], rows lda apart). Where the plan
+ * says so (P_OWN), in C: the small products' NN kernel, reading a transposed a in place
+ * (nn_product_ta: 8 x 32 register blocks; each element one chain of fused multiply-adds over k
+ * in order): score blocks are small (64 x 64 to 64 x 1024, k = d), where a BLAS call's own
+ * packing and dispatch weigh (docs/performance.md); else by the plan's sgemm. */
+static void plan_product(const int64_t *plan, int ta, int64_t m, int64_t n, int64_t k, const float *a,
                          int64_t lda, const float *b, int64_t ldb, float *c, int64_t ldc) {
-    if (!plan[P_OWN] || (ta && m * k > PACK_FLOATS) || (tb && k * n > PACK_FLOATS)) {
-        gl_sgemm(plan[P_SGEMM], plan[P_KIND], ta, tb, m, n, k, a, lda, b, ldb, c, ldc);
-        return;
-    }
-    if (ta) {   /* a is stored [k, m] */
-        transpose_into(a, k, m, lda, pack_a);
-        a = pack_a, lda = k;
-    }
-    if (tb) {   /* b is stored [n, k] */
-        transpose_into(b, n, k, ldb, pack_b);
-        b = pack_b, ldb = n;
-    }
-    nn_product(a, b, c, m, k, lda, ldb, ldc, 0, n);
+    if (!plan[P_OWN])
+        gl_sgemm(plan[P_SGEMM], plan[P_KIND], ta, 0, m, n, k, a, lda, b, ldb, c, ldc);
+    else if (ta)
+        nn_product_ta(a, b, c, m, k, lda, ldb, ldc, 0, n);
+    else
+        nn_product(a, b, c, m, k, lda, ldb, ldc, 0, n);
+}
+
+/* One matrix's k or v ([t, d], rows ld apart) transposed into this thread's pack, once for all
+ * its query blocks' products with it; NULL where they run by the plan's sgemm (not P_OWN, or
+ * t x d past PACK_FLOATS). */
+static const float *transposed_once(const int64_t *plan, const float *x, int64_t ld) {
+    const int64_t t = plan[P_T], d = plan[P_D];
+    if (!plan[P_OWN] || t * d > PACK_FLOATS) return NULL;
+    transpose_into(x, t, d, ld, pack);
+    return pack;
+}
+
+/* c = a @ x[0:n]^T, x a matrix's k or v (rows ldx apart): against xt, its transpose
+ * (transposed_once: columns [0, n) of [d, t]), or by the plan's sgemm where xt is NULL */
+static void plan_product_nt(const int64_t *plan, int64_t m, int64_t n, int64_t k, const float *a, int64_t lda,
+                            const float *x, int64_t ldx, const float *xt, float *c, int64_t ldc) {
+    if (xt)
+        nn_product(a, xt, c, m, k, lda, plan[P_T], ldc, 0, n);
+    else
+        gl_sgemm(plan[P_SGEMM], plan[P_KIND], 0, 1, m, n, k, a, lda, x, ldx, c, ldc);
 }
 
 static float *plan_array(const int64_t *plan, int i) { return (float *)(intptr_t)plan[P_ARRAYS + i]; }
@@ -110,12 +123,13 @@ void gl_causal_attention(const int64_t *plan, int64_t m0, int64_t m1, float scal
         float *lm = plan_array(plan, 5) + m * t, *qsm = plan_array(plan, 6) + m * t * d;
         for (int64_t i = 0; i < t; i++)
             for (int64_t j = 0; j < d; j++) qsm[i * d + j] = qm[i * ld[0] + j] * scale;
+        const float *kt = transposed_once(plan, km, ld[1]);
         for (int64_t b = 0; b < nb; b++) {
             int64_t r0 = bound[b], r1 = bound[b + 1];
             float *x = score_block(e, plan, b, m);
-            plan_product(plan, 0, 1, r1 - r0, r1, d, qsm + r0 * d, d, km, ld[1], x, r1);
+            plan_product_nt(plan, r1 - r0, r1, d, qsm + r0 * d, d, km, ld[1], kt, x, r1);
             gl_causal_softmax_block(x, lm + r0, 1, r1 - r0, r1, r0, 0);
-            plan_product(plan, 0, 0, r1 - r0, d, r1, x, r1, vm, ld[2], om + r0 * d, d);
+            plan_product(plan, 0, r1 - r0, d, r1, x, r1, vm, ld[2], om + r0 * d, d);
         }
         for (int64_t i = 0; i < t; i++)
             for (int64_t j = 0; j < d; j++) om[i * d + j] /= lm[i];
@@ -147,17 +161,18 @@ void gl_causal_attention_backward(const int64_t *plan, int64_t m0, int64_t m1, f
             dd[i] = acc / lm[i];
             for (int64_t j = 0; j < d; j++) gs[i * d + j] = gm[i * ld[3] + j] / lm[i];
         }
+        const float *vt = transposed_once(plan, vm, ld[2]);
         for (int64_t b = nb - 1; b >= 0; b--) {
             int64_t r0 = bound[b], r1 = bound[b + 1], last = b == nb - 1;
             float *s = score_block(ds, plan, b, m);
             const float *x = score_block((float *)e, plan, b, m);
-            plan_product(plan, 0, 1, r1 - r0, r1, d, gs + r0 * d, d, vm, ld[2], s, r1);
+            plan_product_nt(plan, r1 - r0, r1, d, gs + r0 * d, d, vm, ld[2], vt, s, r1);
             gl_softmax_ds_block(s, x, dd + r0, 1, r1 - r0, r1, 0);
-            plan_product(plan, 0, 0, r1 - r0, d, r1, s, r1, km, ld[1], dq + r0 * d, d);
-            plan_product(plan, 1, 0, r1, d, r1 - r0, s, r1, qm + r0 * ld[0], ld[0], last ? dk : tmp, d);
+            plan_product(plan, 0, r1 - r0, d, r1, s, r1, km, ld[1], dq + r0 * d, d);
+            plan_product(plan, 1, r1, d, r1 - r0, s, r1, qm + r0 * ld[0], ld[0], last ? dk : tmp, d);
             if (!last)
                 for (int64_t i = 0; i < r1 * d; i++) dk[i] += tmp[i];
-            plan_product(plan, 1, 0, r1, d, r1 - r0, x, r1, gs + r0 * d, d, last ? dv : tmp, d);
+            plan_product(plan, 1, r1, d, r1 - r0, x, r1, gs + r0 * d, d, last ? dv : tmp, d);
             if (!last)
                 for (int64_t i = 0; i < r1 * d; i++) dv[i] += tmp[i];
         }

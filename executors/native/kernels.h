@@ -135,10 +135,14 @@ static inline __m512 nt_reduce16(const __m512 v[16]) {
 #endif
 
 /* products.c: the small products' NN kernel (out[i][j] for columns [j0, j1): one chain of fused
- * multiply-adds over k in order), which attention.c's products call too */
+ * multiply-adds over k in order), which attention.c's products call too; _ta the same chains
+ * with a stored transposed ([k, m], rows lda apart) */
 __attribute__((visibility("hidden"))) void nn_product(const float *a, const float *b, float *o, int64_t m,
                                                       int64_t k, int64_t lda, int64_t ldb, int64_t ldo,
                                                       int64_t j0, int64_t j1);
+__attribute__((visibility("hidden"))) void nn_product_ta(const float *at, const float *b, float *o, int64_t m,
+                                                         int64_t k, int64_t lda, int64_t ldb, int64_t ldo,
+                                                         int64_t j0, int64_t j1);
 
 /* products.c: c = op(a) @ op(b) by a cblas_sgemm (attention.c's fallback; team.c's BLAS pieces) */
 void gl_sgemm(int64_t sgemm, int64_t width, int ta, int tb, int64_t m, int64_t n, int64_t k, const float *a,

@@ -120,6 +120,13 @@ void nn_product(const float *a, const float *b, float *o, int64_t m, int64_t k,
     nn_rows(a, b, o, m, k, lda, 1, ldb, ldo, j0, j1, 0);
 }
 
+/* the same chains with a stored transposed: a^T [k, m], rows lda apart (a block's R values of
+ * one p lie side by side) */
+void nn_product_ta(const float *at, const float *b, float *o, int64_t m, int64_t k,
+                   int64_t lda, int64_t ldb, int64_t ldo, int64_t j0, int64_t j1) {
+    nn_rows(at, b, o, m, k, 1, lda, ldb, ldo, j0, j1, 0);
+}
+
 /* rows [0, m) x columns [0, w) of a product whose b is packed in column panels of 32: panel c
  * holds columns [32c, 32c + 32) as k rows of 32 floats, one after the other (the last panel's
  * rows as wide as its columns are, still 32 apart) */
