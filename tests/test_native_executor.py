@@ -266,6 +266,81 @@ def test_causal_attention_whole_in_c_matches_the_reference_and_any_cut(monkeypat
     assert not any(hasattr(step, "tables") for n, step in zip(fallback._step_nodes, fallback._steps) if "attention" in n.op)
 
 
+# -- cross entropy and the embedding gradient ----------------------------------------------------------
+
+def _lm_head_graph(n, v, dim):
+    """Embedding, a head tied to the table, cross entropy, and the gradients of both inputs."""
+    g = gl.Graph("lm_head")
+    x = g.input("x", (n, dim), np.float32)
+    ids, targets = g.input("ids", (n,), np.int64), g.input("targets", (n,), np.int64)
+    table = g.param("table", (v, dim), np.float32)
+    loss = gl.cross_entropy((x + gl.embedding(table, ids)) @ gl.transpose(table, (1, 0)), targets)
+    return g, [loss] + gl.grad(loss * 3.0, [x, table])
+
+
+def _embedding_gradient_graph(n, v, dim):
+    """The table's gradient of sum(embedding(table, ids) * u): an embedding_backward alone."""
+    g = gl.Graph("embedding_grad")
+    table = g.param("table", (v, dim), np.float32)
+    ids, u = g.input("ids", (n,), np.int64), g.input("u", (n, dim), np.float32)
+    (dt,) = gl.grad(gl.sum(gl.embedding(table, ids) * u), [table])
+    return g, dt
+
+
+@pytest.mark.threads
+@pytest.mark.parametrize("n, v", [(300, 37), (2048, 256)])
+def test_cross_entropy_and_the_embedding_gradient_in_c(n, v):
+    """Cross entropy and its gradient within float32 rounding of the reference (C exp), the same
+    bits on 1 and 2 threads; the embedding gradient, ids repeated many times, the numpy kernel's
+    bits (np.add.at's order)."""
+    rng = np.random.default_rng(8)
+    dim = 24
+    g, outputs = _lm_head_graph(n, v, dim)
+    feeds = {"x": rng.standard_normal((n, dim)).astype(np.float32), "ids": rng.integers(0, 5, n),
+             "targets": rng.integers(0, v, n)}
+    state = {"table": rng.standard_normal((v, dim)).astype(np.float32)}
+    runs = []
+    for threads in (1, 2):
+        _threads(threads)
+        prog, got, numpy_got, want = run_all(g, outputs, feeds, state)
+        runs.append(got)
+    assert {"cross_entropy", "cross_entropy_backward", "embedding_backward"} <= prog.native_ops()
+    close32(got, want, "lm head")
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(*runs))
+    # the embedding gradient alone, native against numpy, bit for bit
+    g2, dt = _embedding_gradient_graph(n, v, dim)
+    f2 = {"ids": rng.integers(0, 7, n), "u": rng.standard_normal((n, dim)).astype(np.float32)}
+    for threads in (1, 2):
+        _threads(threads)
+        prog2 = NATIVE.compile(g2, [dt], poison=True)
+        assert "embedding_backward" in prog2.native_ops(state)
+        (a,) = prog2.run(f2, state)
+        (b,) = NUMPY.compile(g2, [dt]).run(f2, state)
+        assert a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("bad", [-1, 37])
+def test_cross_entropy_and_the_embedding_gradient_in_c_refuse_out_of_range_ids(bad):
+    rng = np.random.default_rng(9)
+    n, v, dim = 64, 37, 8
+    g, (loss, dx, _) = _lm_head_graph(n, v, dim)
+    state = {"table": rng.standard_normal((v, dim)).astype(np.float32)}
+    good = {"x": rng.standard_normal((n, dim)).astype(np.float32), "ids": rng.integers(0, v, n),
+            "targets": rng.integers(0, v, n)}
+    g2, dt = _embedding_gradient_graph(n, v, dim)
+    good2 = {"ids": good["ids"], "u": rng.standard_normal((n, dim)).astype(np.float32)}
+    for graph, outputs, fed, key, op, what in ((g, [loss], good, "targets", "cross_entropy", "target"),
+                                               (g, [dx], good, "targets", "cross_entropy_backward", "target"),
+                                               (g2, [dt], good2, "ids", "embedding_backward", "token id")):
+        prog = NATIVE.compile(graph, outputs)
+        assert op in prog.native_ops(state)
+        feeds = dict(fed, **{key: np.where(np.arange(n) == 5, bad, fed[key])})
+        before = state["table"].copy()
+        with pytest.raises(ValueError, match=rf"{op} \({op}#\d+ in .*\): {what} {bad} is out of range \[0, {v}\)"):
+            prog.run(feeds, state)
+        np.testing.assert_array_equal(state["table"], before)
+
+
 def _dropout_graph(shape, p):
     g = gl.Graph("dropout")
     x = g.input("x", shape, np.float32)

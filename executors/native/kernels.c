@@ -1,5 +1,6 @@
 /* graphlm's native kernels, the row and elementwise ones: elementwise ops, the memory-bound add,
- * multiply, outer sums and strided copies, layer norm, dropout and AdamW (executors/native/kernels.py
+ * multiply, outer sums and strided copies, layer norm, cross entropy, the embedding gradient,
+ * dropout and AdamW (executors/native/kernels.py
  * binds them; kernels.h says what every C file here shares). */
 #include "kernels.h"
 
@@ -192,6 +193,60 @@ void gl_layer_norm_backward(const float *xc, const float *sv, const float *g, co
             float gh = w ? gr[i] * w[i] : gr[i];
             o[i] = rr * (gh - m1 - (cr[i] * rr) * m2);
         }
+    }
+}
+
+/* ---- cross entropy (rows of `cols` logits) and the embedding gradient ------------------ */
+
+/* The sum of exp(x - mx) over a row, in row_sum's order (LANES partial sums, the tail, then the
+ * lanes), without storing the exps. */
+static inline float row_exp_sum(const float *x, float mx, int64_t n) {
+    float acc[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int j = 0; j < LANES; j++) acc[j] += exp_f32(x[i + j] - mx);
+    float s = 0.0f;
+    for (; i < n; i++) s += exp_f32(x[i] - mx);
+    for (int j = 0; j < LANES; j++) s += acc[j];
+    return s;
+}
+
+/* Each row's loss, loss[r] = (log(sum(exp(x - m))) + m) - x[target[r]], m the row max (the mean
+ * over rows is the caller's, in one fixed order whatever the rows' split). */
+void gl_cross_entropy_rows(const float *x, const int64_t *target, float *loss, int64_t rows, int64_t cols) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * cols;
+        float mx = row_max(xr, cols);
+        loss[r] = (logf(row_exp_sum(xr, mx, cols)) + mx) - xr[target[r]];
+    }
+}
+
+/* Its gradient, out = (softmax(x) - onehot(target)) * (g / count) per row: e/s rounded, the
+ * target's minus 1, then times the scale, as the decomposition rounds. out may be x. */
+void gl_cross_entropy_backward_rows(const float *x, const int64_t *target, const float *g, float *out,
+                                    int64_t rows, int64_t cols, int64_t count) {
+    const float scale = *g / (float)count;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * cols;
+        float *o = out + r * cols;
+        float mx = row_max(xr, cols);
+        for (int64_t i = 0; i < cols; i++) o[i] = exp_f32(xr[i] - mx);
+        float s = row_sum(o, cols), picked = o[target[r]] / s - 1.0f;
+        for (int64_t i = 0; i < cols; i++) o[i] = (o[i] / s) * scale;
+        o[target[r]] = picked * scale;
+    }
+}
+
+/* Columns [c0, c1) of the embedding's gradient out [rows, dim]: zero, then out[ids[i]] += g[i]
+ * for i = 0 .. n-1 in order (np.add.at's order from zero: the numpy kernel's bits). */
+void gl_embedding_backward(const int64_t *ids, const float *g, float *out, int64_t n, int64_t rows, int64_t dim,
+                           int64_t c0, int64_t c1) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = c0; c < c1; c++) out[r * dim + c] = 0.0f;
+    for (int64_t i = 0; i < n; i++) {
+        const float *gi = g + i * dim;
+        float *o = out + ids[i] * dim;
+        for (int64_t c = c0; c < c1; c++) o[c] += gi[c];
     }
 }
 

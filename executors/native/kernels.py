@@ -4,6 +4,8 @@
     exp, tanh GELU and its backward          (a vectorised float32 exp, within 2 ulp)
     softmax over the last axis               (rowmax, exp, rowsum and divide in one pass per row)
     layer norm and its backward              (one pass per row; row sums in 16 partial sums)
+    cross entropy and its backward           (one pass per row; the mean over rows by NumPy)
+    the embedding gradient                   (np.add.at's order, in column ranges)
     dropout                                  (the mask drawn and applied in one pass)
     AdamW                                    (one pass per parameter)
 
@@ -20,6 +22,7 @@ import numpy as np
 from graphlm.ops import GELU_A, GELU_B, GELU_DA, GELU_DB, norm_parts
 from graphlm.random import stream_base
 
+from ..base import check_index_range
 from ..numpy import get_threads
 from ..numpy.dropout import keep_threshold
 from ..numpy.norms import layer_norm_keep_views
@@ -272,6 +275,70 @@ def _layer_norm_backward(node, out, ins, scratch):
     if not _norm_ok(node, x, w, None, g, out) or g.shape != node.shape:
         return None
     return _layer_norm_backward_closure(node, x, None, g, w, out)
+
+
+# == cross entropy and the embedding gradient ===============================================================
+# The numpy kernels run these as whole-array NumPy passes on one thread (max, subtract, exp, sum,
+# log, pick; np.add.at); here each row (cross entropy) or column range (the embedding gradient)
+# is one pass, split over the team. The targets and ids are checked first, as the numpy kernels do.
+
+def _int64_rows(ids) -> bool:
+    return ids.dtype == np.int64 and ids.flags.c_contiguous
+
+
+@native_kernel("cross_entropy", rounds_own_way=True)
+def _cross_entropy(node, out, ins, scratch):
+    """Each row's loss in C (gl_cross_entropy_rows) into the numpy kernel's lse scratch, then their
+    mean by NumPy: the same order whatever the split."""
+    logits, targets = ins
+    loss = scratch[2]
+    if node.dtype != np.float32 or not native_arrays(logits, loss) or not _int64_rows(targets):
+        return None
+    (n, v), fn = logits.shape, library().gl_cross_entropy_rows
+    rows = split_calls(lambda lo, hi: functools.partial(fn, ptr_at(logits, v, lo), ptr_at(targets, 1, lo),
+                                                         ptr_at(loss, 1, lo), hi - lo, v), n, v, (logits, targets, loss))
+
+    def run():
+        check_index_range(node, targets, v, "target")
+        rows()
+        np.mean(loss, out=out)
+    run.arrays = rows
+    return run
+
+
+@native_kernel("cross_entropy_backward", rounds_own_way=True)
+def _cross_entropy_backward(node, out, ins, scratch):
+    logits, targets, g = ins
+    if node.dtype != np.float32 or not native_arrays(logits, g, out) or not _int64_rows(targets):
+        return None
+    (n, v), fn = logits.shape, library().gl_cross_entropy_backward_rows
+    rows = split_calls(lambda lo, hi: functools.partial(fn, ptr_at(logits, v, lo), ptr_at(targets, 1, lo), ptr(g),
+                                                         ptr_at(out, v, lo), hi - lo, v, n), n, v, (logits, targets, g, out))
+
+    def run():
+        check_index_range(node, targets, v, "target")
+        rows()
+    run.arrays = rows
+    return run
+
+
+@native_kernel("embedding_backward")
+def _embedding_backward(node, out, ins, scratch):
+    """The table's gradient in column ranges on the team (gl_embedding_backward): every element
+    adds its rows in order from zero, the numpy kernel's bits."""
+    ids, g = ins
+    rows, dim = node.shape
+    if node.dtype != np.float32 or not native_arrays(g, out) or not _int64_rows(ids) or g.size != ids.size * dim:
+        return None
+    fn = library().gl_embedding_backward
+    columns = split_calls(lambda lo, hi: functools.partial(fn, ptr(ids), ptr(g), ptr(out), ids.size, rows, dim, lo, hi),
+                          dim, ids.size, (ids, g, out))
+
+    def run():
+        check_index_range(node, ids, rows, "token id")
+        columns()
+    run.arrays = columns
+    return run
 
 
 # == dropout ================================================================================================
