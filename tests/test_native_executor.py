@@ -120,9 +120,17 @@ def test_gelu_and_exp_forward_and_backward(small_pieces, shape, threads):
     feeds = {"x": (rng.standard_normal(shape) * 4).astype(np.float32)}
     _threads(threads)
     prog, got, _, want = run_all(g, outputs, feeds)
-    assert {"gelu_sigmoid", "gelu_backward_sigmoid", "exp"} <= prog.native_ops()
+    assert {"gelu", "gelu_backward", "exp"} <= prog.native_ops()   # the sigmoid recomputed, not kept
     assert not prog.rounds_like_reference
     close32(got, want, "gelu")
+    kept = KeepingSigmoid(g, outputs)   # the numpy pipeline's kept sigmoid, on the same C kernels
+    assert {"gelu_sigmoid", "gelu_backward_sigmoid"} <= kept.native_ops()
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(kept.run(feeds), got))
+
+
+class KeepingSigmoid(native.NativeProgram):
+    """The native program on the numpy executor's pipeline, whose tanh GELU keeps its sigmoid."""
+    pipeline = "numpy"
 
 
 @pytest.mark.threads
@@ -467,7 +475,7 @@ def test_a_training_steps_row_kernels_run_on_the_team(monkeypatch, small_pieces)
     one = prog.run(feeds, params)
     _threads(2)
     two = prog.run(feeds, params)
-    assert {"gl_gelu_tanh_sigmoid", "gl_gelu_tanh_backward", "gl_layer_norm", "gl_layer_norm_backward",
+    assert {"gl_gelu_tanh", "gl_gelu_tanh_backward", "gl_layer_norm", "gl_layer_norm_backward",
             "gl_dropout_draw", "gl_dropout_apply", "gl_binary_rows", "gl_sum_rows"} <= {name for name, ok in made}
     assert all(ok for _, ok in made)
     assert all(a.tobytes() == b.tobytes() for a, b in zip(one, two))
@@ -499,12 +507,15 @@ def test_gpt_training_step_matches_reference():
     params = {k: v.astype(np.float32) for k, v in params.items()}
     prog, got, _, want = run_all(g, outputs, feeds, params)
     assert not prog.rounds_like_reference
-    assert {"causal_attention_keep", "causal_attention_backward_kept", "gelu_sigmoid",
-            "gelu_backward_sigmoid", "layer_norm_keep", "layer_norm_backward_kept"} <= prog.native_ops()
+    assert {"causal_attention_keep", "causal_attention_backward_kept", "gelu", "gelu_backward",
+            "layer_norm_keep", "layer_norm_backward_kept"} <= prog.native_ops()
     close32(got, want, "gpt step", rtol=1e-4, atol=1e-5)
     again = prog.run(feeds, params)
     for a, b in zip(got, again):
         np.testing.assert_array_equal(a, b)
+    kept = KeepingSigmoid(g, outputs)   # recomputing the GELU's sigmoid changes no bit of the step
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(kept.run(feeds, params), got))
+    assert kept.plan.arena_bytes > prog.plan.arena_bytes   # and holds no sigmoid
 
 
 def _train(executor, threads):

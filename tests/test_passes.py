@@ -438,7 +438,7 @@ def test_a_rule_that_changes_the_shape_is_refused():
 def test_unknown_pipeline_is_named():
     g = gl.Graph("p")
     x = g.input("x", (2,))
-    with pytest.raises(ValueError, match="unknown pass pipeline 'fast'; known: none, numpy"):
+    with pytest.raises(ValueError, match="unknown pass pipeline 'fast'; known: native, none, numpy"):
         passes.run_pipeline("fast", g, [gl.tanh(x)])
     rw = passes.run_pipeline("none", g, [x])
     assert rw.graph is g and rw.passes == ()
@@ -447,6 +447,10 @@ def test_unknown_pipeline_is_named():
 def test_executors_declare_their_pipeline():
     assert executors.get("numpy").pipeline == "numpy" and executors.get("reference").pipeline == "none"
     assert passes.PIPELINES["numpy"] == (MATMUL_SUM, SLICE_GRADIENTS, ATTENTION_SOFTMAX, DROPOUT_MASKS, KEPT_VALUES)
+    from graphlm.passes.kept_values import KEPT_STATISTICS
+    assert executors.get("native").pipeline == "native"
+    assert passes.PIPELINES["native"] == (MATMUL_SUM, SLICE_GRADIENTS, ATTENTION_SOFTMAX, DROPOUT_MASKS, KEPT_STATISTICS)
+    assert [r.name for r in KEPT_STATISTICS.rules] == [r.name for r in KEPT_VALUES.rules if "GELU" not in r.name]
 
 
 def test_render_draws_the_graph_after_a_pipeline(tmp_path, capsys):

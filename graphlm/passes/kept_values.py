@@ -1,5 +1,6 @@
 """Pass `kept_values`: a forward op keeps what its backward would recompute, as a tensor of the
 graph (its producer, its readers and its lifetime are the memory plan's like any other value).
+`KEPT_STATISTICS` is the pass without the GELU's rules (the native executor's: below).
 
 - the tanh GELU whose input also feeds a ``gelu_backward``: ``gelu(x)`` -> ``x * s`` with
   ``s = gelu_sigmoid(x)``, and ``gelu_backward(x, g)`` -> ``gelu_backward_sigmoid(x, g, s)`` (no
@@ -131,13 +132,26 @@ def _attention_backward(node, ctx):
                     scale=node.attrs["scale"], query_block=query_block)
 
 
-KEPT_VALUES = Pass("kept_values", (
+_GELU_RULES = (
     Rule("tanh GELU with its backward", ("gelu",), _gelu),
     Rule("tanh GELU backward from the kept sigmoid", ("gelu_backward",), _gelu_backward),
+)
+_STATISTICS_RULES = (
     Rule("layer norm with its backward", ("layer_norm",), _layer_norm),
     Rule("layer norm backward from the kept statistics", ("layer_norm_backward",), _layer_norm_backward),
     Rule("causal attention with its backward", ("causal_attention",), _attention),
     Rule("causal attention backward from the kept scores", ("causal_attention_backward",), _attention_backward),
-), doc="gelu(x) + gelu_backward(x, g) -> x * s + gelu_backward_sigmoid(x, g, s), s = gelu_sigmoid(x); "
-       "layer_norm(x) + layer_norm_backward(x, g) -> layer_norm_keep(x) parts + layer_norm_backward_kept(xc, sv, g); "
-       "causal_attention + its backward -> causal_attention_keep parts + causal_attention_backward_kept(.., y, E, l, g)")
+)
+_STATISTICS_DOC = ("layer_norm(x) + layer_norm_backward(x, g) -> layer_norm_keep(x) parts + "
+                   "layer_norm_backward_kept(xc, sv, g); causal_attention + its backward -> causal_attention_keep "
+                   "parts + causal_attention_backward_kept(.., y, E, l, g)")
+
+KEPT_VALUES = Pass("kept_values", _GELU_RULES + _STATISTICS_RULES,
+                   doc="gelu(x) + gelu_backward(x, g) -> x * s + gelu_backward_sigmoid(x, g, s), s = gelu_sigmoid(x); "
+                       + _STATISTICS_DOC)
+
+# The same pass without the GELU's rules, for an executor whose GELU backward recomputes s in the
+# one pass that reads x and g (the native executor's C exp: cheaper than writing s in the forward,
+# reading it back there and in the backward, and holding it between them). The same bits: s is
+# computed the same way in both places.
+KEPT_STATISTICS = Pass("kept_values", _STATISTICS_RULES, doc=_STATISTICS_DOC + " (the GELU recomputes its sigmoid)")

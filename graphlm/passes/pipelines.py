@@ -1,5 +1,5 @@
 """The pass pipelines executors run: `PIPELINES[name]` is a tuple of passes, in order. An executor's
-program names its pipeline (`pipeline = "numpy"`); `run_pipeline` applies one to a graph."""
+program names its pipeline (`pipeline = "numpy"`, "native"); `run_pipeline` applies one to a graph."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -8,7 +8,7 @@ from graphlm.ir import Graph, Tensor
 
 from .attention_softmax import ATTENTION_SOFTMAX
 from .dropout_masks import DROPOUT_MASKS
-from .kept_values import KEPT_VALUES
+from .kept_values import KEPT_STATISTICS, KEPT_VALUES
 from .matmul_sum import MATMUL_SUM
 from .rewrite import Pass, Rewritten, compose, needed, rewrite
 from .slice_gradients import SLICE_GRADIENTS
@@ -16,6 +16,8 @@ from .slice_gradients import SLICE_GRADIENTS
 PIPELINES: dict[str, tuple[Pass, ...]] = {
     "none": (),
     "numpy": (MATMUL_SUM, SLICE_GRADIENTS, ATTENTION_SOFTMAX, DROPOUT_MASKS, KEPT_VALUES),
+    # the native executor's: its GELU backward recomputes the sigmoid (kept_values.KEPT_STATISTICS)
+    "native": (MATMUL_SUM, SLICE_GRADIENTS, ATTENTION_SOFTMAX, DROPOUT_MASKS, KEPT_STATISTICS),
 }
 
 
