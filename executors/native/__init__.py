@@ -1,7 +1,8 @@
 """The native executor: the numpy executor with its hot float32 kernels in C.
 
-``executors.get("native")`` plans memory and fuses exactly as the numpy executor does (it is a
-`NumpyProgram` with another kernel table): the same arena, the same schedule. What changes is
+``executors.get("native")`` plans memory and fuses as the numpy executor does (it is a
+`NumpyProgram` with another kernel table and pipeline: the numpy passes, but its tanh GELU
+recomputes its sigmoid where the numpy one keeps it, graphlm/passes/pipelines.py). What changes is
 the kernels, each one fused pass in C over the planned float32 arrays instead of several NumPy
 passes, and the float32 matmuls, in C too (NumPy's BLAS where a layout does not suit them), cut
 over threads on the C worker team, not on the Python pool. A kernel whose arrays are not
@@ -11,7 +12,7 @@ either fits the plan).
 Where things live:
 
 - the C kernels, one file per family as the Python side: kernels.c (elementwise, memory-bound ops,
-  layer norm, dropout, AdamW), attention.c, products.c; kernels.h what they share (exp_f32, the row
+  layer norm, cross entropy, the embedding gradient, dropout, AdamW), attention.c, products.c; kernels.h what they share (exp_f32, the row
   reductions, the dot product's summation order); team.c the C worker team that runs a kernel's
   pieces on n threads.
 - build.py: compiling and loading the library (cached by a hash of sources, flags, compiler and
@@ -20,14 +21,15 @@ Where things live:
   `split_calls` (a row kernel cut into C calls on the team), NumPy's own cblas_sgemm.
 - table.py: the kernel table `KERNELS` and `native_kernel` (registers a C build over the numpy
   kernel of an op).
-- kernel families: kernels.py (exp, GELU, softmax, layer norm, dropout, AdamW), attention.py
+- kernel families: kernels.py (exp, GELU, softmax, layer norm, cross entropy, the embedding
+  gradient, dropout, AdamW), attention.py
   (causal attention whole in C, a decode step's cached attention), products.py (products of
   few rows and large products in C, BLAS products cut over the team).
 - program.py: `NativeProgram` and `NativeExecutor`.
 
-Rounding. Dropout, AdamW and the attention gradient's ds step compute exactly what the numpy
+Rounding. Dropout, AdamW, the embedding gradient and the attention gradient's ds step compute exactly what the numpy
 executor computes (same operations in the same order, compiled with -ffp-contract=off); tests
-check them bit for bit. exp, GELU, layer norm, the attention softmax and the float32 products
+check them bit for bit. exp, GELU, layer norm, cross entropy, the attention softmax and the float32 products
 round their own way (another exp, sums in another order) and say so where they are registered
 (`native_kernel(..., rounds_own_way=...)`): `NativeProgram.rounds_like_reference` is then False
 and tests compare them with the reference within float32 tolerances. No result depends on the
