@@ -104,7 +104,10 @@ def test_ctrl_c_exits_130_and_a_failure_exits_1(tmp_path, monkeypatch, capsys):
 
 
 def test_sigint_to_a_running_command_gives_130(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-c", "import time, sys\n"
+    # (the child takes Ctrl-C as a terminal's Python does even where its launcher ignores SIGINT,
+    # as a shell's `cmd &` without job control makes every child do)
+    proc = subprocess.Popen([sys.executable, "-c", "import signal, time, sys\n"
+                             "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
                              "from graphlm.tools import cli\n"
                              "cli.cmd_stats = lambda args: (print('ready', flush=True), time.sleep(60))\n"
                              "sys.exit(cli.main(['stats']))"],
