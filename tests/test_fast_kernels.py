@@ -379,24 +379,29 @@ def test_the_cuts_chosen_for_training_shapes_round_as_the_whole(dtype):
 
 @pytest.mark.threads
 @pytest.mark.parametrize("m, n, axis", [(64, 256, 1), (256, 64, 0), (96, 96, 0)])
-def test_a_product_is_cut_where_its_pieces_read_less_twice(m, n, axis):
-    """Every row block reads all of b and every column block all of a: a product of few rows
-    and many columns (a weight gradient x^T @ g) is cut into column blocks, a tall one (or a
-    square one) into row blocks; on a BLAS where that cut does not round as the whole, the other."""
-    rng = np.random.default_rng(3)
-    k = 512
-    a = rng.standard_normal((k, m)).astype(np.float32).T   # (a transposed view, as x^T)
-    b = rng.standard_normal((k, n)).astype(np.float32)
-    out = np.full((m, n), np.nan, np.float32)
-    pieces = matmul.matmul_parts(a, b, out, 2)
-    assert len(pieces) == 2
-    exact = matmul.pieces_round_as_whole(a, b, np.empty_like(out), axis,
-                                         [(0, (m, n)[axis] // 2), ((m, n)[axis] // 2, (m, n)[axis])])
-    along = 1 if all(po.shape[0] == m for _, _, po in pieces) else 0
-    assert along == (axis if exact else 1 - axis)
-    for pa, pb, po in pieces:
-        np.matmul(pa, pb, po)
-    assert out.tobytes() == (a @ b).tobytes()
+def test_a_product_is_cut_where_its_pieces_read_less_twice(monkeypatch, m, n, axis):
+    """Every row block reads all of b and every column block all of a: where both cuts round as
+    the whole, a product of few rows and many columns (a weight gradient x^T @ g) is cut into
+    column blocks, a tall or square one into row blocks. On this BLAS, whatever cut it takes
+    gives the whole product's bytes."""
+    numpy_executor.set_threads(2)   # (BLAS on one thread, as whenever the executor splits)
+    try:
+        rng = np.random.default_rng(3)
+        k = 512
+        a = rng.standard_normal((k, m)).astype(np.float32).T   # (a transposed view, as x^T)
+        b = rng.standard_normal((k, n)).astype(np.float32)
+        out = np.full((m, n), np.nan, np.float32)
+        pieces = matmul.matmul_parts(a, b, out, 2)
+        for pa, pb, po in pieces:
+            np.matmul(pa, pb, po)
+        assert pieces == [] or out.tobytes() == (a @ b).tobytes()
+        monkeypatch.setattr(matmul, "_cuts_round_as_whole", lambda *args: True)   # every cut exact
+        pieces = matmul.matmul_parts(a, b, out, 2)
+        assert len(pieces) == 2
+        assert all(po.shape == ((m // 2, n) if axis == 0 else (m, n // 2)) for _, _, po in pieces)
+        assert all(pa.shape[0] == po.shape[0] and pb.shape[1] == po.shape[1] for pa, pb, po in pieces)
+    finally:
+        numpy_executor.set_threads(1)
 
 
 def _exact_matmul(a, b, out):
