@@ -1,8 +1,8 @@
 """The native executor: the numpy executor with its hot float32 kernels in C.
 
 ``executors.get("native")`` plans memory and fuses as the numpy executor does (it is a
-`NumpyProgram` with another kernel table and pipeline: the numpy passes, but its tanh GELU
-recomputes its sigmoid where the numpy one keeps it, graphlm/passes/pipelines.py). What changes is
+`NumpyProgram` with another kernel table, and a pipeline of its own in
+graphlm/passes/pipelines.py). What changes is
 the kernels, each one fused pass in C over the planned float32 arrays instead of several NumPy
 passes, and the float32 matmuls, in C too (NumPy's BLAS where a layout does not suit them), cut
 over threads on the C worker team, not on the Python pool. A kernel whose arrays are not

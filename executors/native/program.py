@@ -13,7 +13,7 @@ class NativeProgram(NumpyProgram):
 
     executor_name = "native"
     kernels = KERNELS
-    pipeline = "native"   # the numpy pipeline, the GELU's sigmoid recomputed (graphlm/passes/pipelines.py)
+    pipeline = "native"   # its graph passes (graphlm/passes/pipelines.py)
     tolerances = {"float64": 1e-12, "float32": 2e-5}   # its C exp, GELU, norms round their own way
 
     def native_ops(self, state=None) -> set[str]:

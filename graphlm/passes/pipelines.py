@@ -13,11 +13,12 @@ from .matmul_sum import MATMUL_SUM
 from .rewrite import Pass, Rewritten, compose, needed, rewrite
 from .slice_gradients import SLICE_GRADIENTS
 
+_PLANNED = (MATMUL_SUM, SLICE_GRADIENTS, ATTENTION_SOFTMAX, DROPOUT_MASKS)   # both planned executors' first passes
+
 PIPELINES: dict[str, tuple[Pass, ...]] = {
     "none": (),
-    "numpy": (MATMUL_SUM, SLICE_GRADIENTS, ATTENTION_SOFTMAX, DROPOUT_MASKS, KEPT_VALUES),
-    # the native executor's: its GELU backward recomputes the sigmoid (kept_values.KEPT_STATISTICS)
-    "native": (MATMUL_SUM, SLICE_GRADIENTS, ATTENTION_SOFTMAX, DROPOUT_MASKS, KEPT_STATISTICS),
+    "numpy": _PLANNED + (KEPT_VALUES,),
+    "native": _PLANNED + (KEPT_STATISTICS,),   # kept_values without the GELU's sigmoid (kept_values.py says why)
 }
 
 
