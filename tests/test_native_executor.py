@@ -639,6 +639,44 @@ def test_host_flags_the_compiler_refuses_are_dropped_one_set_at_a_time(fresh_bui
     assert native.build.host_flag_sets() == [("-march=native",), ()]
 
 
+def _kernel_workload():
+    """Bytes of what the products' and attention's register blocks compute: a training step's
+    loss and gradients (large products in C, causal attention forward and backward; head size
+    20, 37 positions: every ragged edge) and greedy decoding's logits at batch 8 and 1 (panel
+    and small products, cached attention)."""
+    from graphlm.models import GPT, GPTConfig
+    from graphlm.sample import Generator
+    model = GPT(GPTConfig(vocab_size=64, context_length=40, channels=40, head_count=2, layer_count=1, dropout=0.0))
+    params = model.init(7)
+    rng = np.random.default_rng(8)
+    tokens, targets = rng.integers(0, 64, (3, 37)), rng.integers(0, 64, (3, 37))
+    loss, grads = model.loss_and_grads(params, tokens, targets, executor="native")
+    out = [np.float32(loss).tobytes()] + [grads[k].tobytes() for k in sorted(grads)]
+    for batch in (8, 1):
+        gen = Generator(model, params, batch_size=batch, executor="native")
+        logits = gen.prefill(rng.integers(0, 64, (batch, 9)))
+        for _ in range(5):
+            out.append(logits.tobytes())
+            logits = gen.decode(np.argmax(logits, axis=-1))
+    return out
+
+
+def test_the_register_blocks_choose_no_bits(fresh_build, monkeypatch):
+    """The products' and attention's register blocks are sized for the machine's vectors
+    (AVX-512's or AVX2's registers by name, products.c, attention.c); a block only chooses which
+    accumulators live in registers together. A library compiled with FMA alone (the plain C
+    blocks, as the compiler vectorises them) computes every bit the machine's own library does."""
+    if "fma" not in native.build.cpu_flags():
+        pytest.skip("the CPU has no FMA")
+    monkeypatch.setattr(native.products, "LARGE_PRODUCTS_IN_C", True)
+    own = _kernel_workload()
+    native.build._library.clear()
+    monkeypatch.setattr(native.build, "host_flag_sets", lambda: [("-mfma",)])
+    plain = _kernel_workload()
+    assert len(own) == len(plain)
+    assert [i for i, (a, b) in enumerate(zip(own, plain)) if a != b] == []
+
+
 def test_a_damaged_cached_library_is_built_again(tmp_path):
     """In new processes (a process that loaded the library keeps it mapped under its name)."""
     import os

@@ -66,8 +66,8 @@ static void transpose_into(const float *x, int64_t rows, int64_t cols, int64_t l
 
 /* An attention plan's product c = op(a) @ b (ta: a stored [k, m], rows lda apart). Where the plan
  * says so (P_OWN), in C: the small products' NN kernel, reading a transposed a in place
- * (nn_product_ta: 8 x 32 register blocks; each element one chain of fused multiply-adds over k
- * in order): score blocks are small (64 x 64 to 64 x 1024, k = d), where a BLAS call's own
+ * (nn_product_ta: register blocks sized for the vectors, products.c; each element one chain of
+ * fused multiply-adds over k in order): score blocks are small (64 x 64 to 64 x 1024, k = d), where a BLAS call's own
  * packing and dispatch weigh (docs/performance.md); else by the plan's sgemm. */
 static void plan_product(const int64_t *plan, int ta, int64_t m, int64_t n, int64_t k, const float *a,
                          int64_t lda, const float *b, int64_t ldb, float *c, int64_t ldc) {
@@ -185,7 +185,8 @@ void gl_causal_attention_backward(const int64_t *plan, int64_t m0, int64_t m1, f
 
 /* ---- cached attention: one decode step against the KV cache (graphlm.ops.cached_attention) ---- */
 
-/* Two steps of a row, each in one fixed order (the AVX-512 code and the plain C below round alike):
+/* Two steps of a row, each in one fixed order (the AVX-512 and AVX2 code and the plain C below
+ * round alike):
  *   scores:  s_c = q . key_c for up to 16 keys, each dot as the small products' NT kernel
  *            computes it (16 lane sums over d, then their tree: nt_lanes, lanes_tree);
  *   values:  o = (((a_0 + a_1) + (a_2 + a_3)) + e_p * v) / l per column, a_u the multiply-add
@@ -231,6 +232,73 @@ static inline void attention_values(const float *e, const float *cv, const float
     __m512 sum = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
     sum = _mm512_fmadd_ps(_mm512_set1_ps(e[p]), _mm512_maskz_loadu_ps(mask, v), sum);
     _mm512_mask_storeu_ps(o, mask, _mm512_div_ps(sum, _mm512_set1_ps(l)));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+/* The same two steps in AVX2 registers (the plain C below ran a TinyLM decode step's attention
+ * 7x slower on a Zen 3 core). A dot's 16 lanes are two vectors, lanes 0-7 and 8-15; the last
+ * d % 16 terms are blended in only where lanes take them, as nt_lanes leaves the others. */
+static inline __m256i lanes_below(int64_t n) {   /* lane l set where l < n */
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+static inline float lanes_tree8x2(__m256 lo, __m256 hi) {   /* lanes_tree of the 16 lanes */
+    __m256 s = _mm256_add_ps(lo, hi);                                                   /* h = 8 */
+    __m128 t = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));      /* h = 4 */
+    t = _mm_add_ps(t, _mm_movehl_ps(t, t));                                             /* h = 2 */
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));                       /* h = 1 */
+}
+
+/* s[0..n) = q . key[c] (n <= 16), four keys side by side */
+static inline void attention_dots(const float *q, const float *const key[16], int n, int64_t d, float *s) {
+    const int64_t whole = d / 16 * 16;
+    const __m256i m_lo = lanes_below(d - whole), m_hi = lanes_below(d - whole - 8);
+    for (int c0 = 0; c0 < n; c0 += 4) {
+        const int keys = n - c0 < 4 ? n - c0 : 4;
+        const float *row[4];
+        for (int c = 0; c < 4; c++) row[c] = key[c0 + (c < keys ? c : 0)];
+        __m256 lo[4], hi[4];
+        for (int c = 0; c < 4; c++) lo[c] = hi[c] = _mm256_setzero_ps();
+        for (int64_t p = 0; p < whole; p += 16) {
+            const __m256 x0 = _mm256_loadu_ps(q + p), x1 = _mm256_loadu_ps(q + p + 8);
+            for (int c = 0; c < 4; c++) {
+                lo[c] = _mm256_fmadd_ps(x0, _mm256_loadu_ps(row[c] + p), lo[c]);
+                hi[c] = _mm256_fmadd_ps(x1, _mm256_loadu_ps(row[c] + p + 8), hi[c]);
+            }
+        }
+        if (whole < d) {
+            const __m256 x0 = _mm256_maskload_ps(q + whole, m_lo), x1 = _mm256_maskload_ps(q + whole + 8, m_hi);
+            for (int c = 0; c < 4; c++) {
+                __m256 f0 = _mm256_fmadd_ps(x0, _mm256_maskload_ps(row[c] + whole, m_lo), lo[c]);
+                __m256 f1 = _mm256_fmadd_ps(x1, _mm256_maskload_ps(row[c] + whole + 8, m_hi), hi[c]);
+                lo[c] = _mm256_blendv_ps(lo[c], f0, _mm256_castsi256_ps(m_lo));
+                hi[c] = _mm256_blendv_ps(hi[c], f1, _mm256_castsi256_ps(m_hi));
+            }
+        }
+        for (int c = 0; c < keys; c++) s[c0 + c] = lanes_tree8x2(lo[c], hi[c]);
+    }
+}
+
+/* columns [0, w) of the row's output, w <= 16: two vectors of 8 columns, four chains each */
+static inline void attention_values(const float *e, const float *cv, const float *v, float *o,
+                                    int64_t p, int64_t d, float l, int64_t w) {
+    for (int64_t h = 0; h < w; h += 8) {
+        const __m256i mask = lanes_below(w - h);
+        const float *c = cv + h;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+#define VALUE_TERM(acc, j) acc = _mm256_fmadd_ps(_mm256_set1_ps(e[j]), _mm256_maskload_ps(c + (j) * d, mask), acc)
+        int64_t j = 0;
+        for (; j + 4 <= p; j += 4) {
+            VALUE_TERM(a0, j); VALUE_TERM(a1, j + 1); VALUE_TERM(a2, j + 2); VALUE_TERM(a3, j + 3);
+        }
+        if (j < p) VALUE_TERM(a0, j);
+        if (j + 1 < p) VALUE_TERM(a1, j + 1);
+        if (j + 2 < p) VALUE_TERM(a2, j + 2);
+#undef VALUE_TERM
+        __m256 sum = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+        sum = _mm256_fmadd_ps(_mm256_set1_ps(e[p]), _mm256_maskload_ps(v + h, mask), sum);
+        _mm256_maskstore_ps(o + h, mask, _mm256_div_ps(sum, _mm256_set1_ps(l)));
+    }
 }
 #else
 static inline void attention_dots(const float *q, const float *const key[16], int n, int64_t d, float *s) {

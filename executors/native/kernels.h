@@ -32,6 +32,16 @@
 
 #define LANES 16   /* partial sums per row reduction (two AVX registers of 8 floats) */
 
+/* Whether the products' register blocks are AVX2's (products.c): where the library is compiled
+ * for AVX2 and FMA but not AVX-512, blocks of 12 of its 16 registers written with intrinsics;
+ * elsewhere plain C blocks of 256 accumulators (16 AVX-512 registers) that the compiler
+ * vectorises. A block only chooses which accumulators share the registers, never a bit. */
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define AVX2_BLOCKS 1
+#else
+#define AVX2_BLOCKS 0
+#endif
+
 static inline float bits_to_float(uint32_t i) { float f; memcpy(&f, &i, 4); return f; }
 static inline uint32_t float_to_bits(float f) { uint32_t i; memcpy(&i, &f, 4); return i; }
 

@@ -43,6 +43,33 @@ void gl_sgemm(int64_t sgemm, int64_t width, int ta, int tb, int64_t m, int64_t n
  * sai = 1 for a transposed view (a weight gradient's g^T). A block starts its chains from 0, or
  * with `more` from the values in o (a large product's next run of p: the same chains, stopped and
  * resumed). The blocks are always inlined into nn_rows' callers, each compiled for its constants. */
+#if AVX2_BLOCKS
+#include <immintrin.h>
+/* The same chains in AVX2 registers by name: GCC vectorised the loops above for AVX2 at 3-40
+ * GFLOP/s (a 16-wide block not at all), these run a 6 x 16 block at 85-88 (one Zen 3 core). b's
+ * W/8 vectors of row p are loaded once for the R rows. */
+#define NN_BLOCK(R, W)                                                                          \
+    static inline __attribute__((always_inline)) void nn_block_##R##x##W(const float *a,        \
+            const float *b, float *o, int64_t k, int64_t sai, int64_t sap, int64_t ldb, int64_t ldo, \
+            int more) {                                                                         \
+        __m256 acc[R][W / 8];                                                                   \
+        for (int r = 0; r < R; r++)                                                             \
+            for (int v = 0; v < W / 8; v++)                                                     \
+                acc[r][v] = more ? _mm256_loadu_ps(o + r * ldo + 8 * v) : _mm256_setzero_ps();  \
+        for (int64_t p = 0; p < k; p++) {                                                       \
+            const float *bp = b + p * ldb;                                                      \
+            __builtin_prefetch(bp + 8 * ldb); /* b's row 8 ahead: a panel from L3 */            \
+            __m256 bv[W / 8];                                                                   \
+            for (int v = 0; v < W / 8; v++) bv[v] = _mm256_loadu_ps(bp + 8 * v);                \
+            for (int r = 0; r < R; r++) {                                                       \
+                __m256 ar = _mm256_broadcast_ss(a + r * sai + p * sap);                         \
+                for (int v = 0; v < W / 8; v++) acc[r][v] = _mm256_fmadd_ps(ar, bv[v], acc[r][v]); \
+            }                                                                                   \
+        }                                                                                       \
+        for (int r = 0; r < R; r++)                                                             \
+            for (int v = 0; v < W / 8; v++) _mm256_storeu_ps(o + r * ldo + 8 * v, acc[r][v]);   \
+    }
+#else
 #define NN_BLOCK(R, W)                                                                          \
     static inline __attribute__((always_inline)) void nn_block_##R##x##W(const float *a,        \
             const float *b, float *o, int64_t k, int64_t sai, int64_t sap, int64_t ldb, int64_t ldo, \
@@ -61,13 +88,35 @@ void gl_sgemm(int64_t sgemm, int64_t width, int ta, int tb, int64_t m, int64_t n
         for (int r = 0; r < R; r++)                                                             \
             for (int j = 0; j < W; j++) o[r * ldo + j] = acc[r][j];                             \
     }
+#endif
+
+/* The blocks by vector width (AVX2_BLOCKS, kernels.h): R x W accumulators fill 16 of AVX-512's
+ * 32 registers of 16 floats, or 12 of AVX2's 16 of 8 (a 4 x 32 block there spilled: attention's
+ * score products 1.4x slower than by BLAS). TALL_R x TALL_W is the block most rows take; a row
+ * block's b row is read once for its R rows. */
+#if !AVX2_BLOCKS
+#define TALL_R 8
+#define TALL_W 32
 NN_BLOCK(8, 32)
 NN_BLOCK(4, 64)
 NN_BLOCK(2, 64)
 NN_BLOCK(1, 256)
 NN_BLOCK(1, 128)
+#else
+#define TALL_R 6
+#define TALL_W 16
+NN_BLOCK(6, 16)
+NN_BLOCK(5, 16)
+NN_BLOCK(4, 16)
+NN_BLOCK(3, 16)
+NN_BLOCK(2, 48)
+NN_BLOCK(1, 96)
+#endif
 NN_BLOCK(1, 64)
 NN_BLOCK(1, 16)
+#define NN_TALL_(R, W) nn_block_##R##x##W
+#define NN_TALL_AT(R, W) NN_TALL_(R, W)
+#define NN_TALL NN_TALL_AT(TALL_R, TALL_W)
 
 /* `rows` rows x `w` columns (a block's ragged right edge), 16 columns at a time */
 static inline __attribute__((always_inline)) void nn_edge(const float *a, const float *b, float *o,
@@ -99,15 +148,27 @@ static inline __attribute__((always_inline)) void nn_rows(const float *a, const 
         int64_t m, int64_t k, int64_t sai, int64_t sap, int64_t ldb, int64_t ldo, int64_t j0, int64_t j1,
         int more) {
     int64_t i = 0;
+#if !AVX2_BLOCKS
     NN_ROWS(8, 32)
     NN_ROWS(4, 64)
     NN_ROWS(2, 64)
+#else
+    NN_ROWS(6, 16)
+    NN_ROWS(5, 16)   /* (the rows left: at most one of these) */
+    NN_ROWS(4, 16)
+    NN_ROWS(3, 16)
+    NN_ROWS(2, 48)
+#endif
     if (i < m) {   /* the last row: blocks as wide as fit (a block's k-long chains are its latency) */
         int64_t j = j0;
         const float *ai = a + i * sai;
         float *oi = o + i * ldo;
+#if !AVX2_BLOCKS
         for (; j + 256 <= j1; j += 256) nn_block_1x256(ai, b + j, oi + j, k, sai, sap, ldb, ldo, more);
         if (j + 128 <= j1) { nn_block_1x128(ai, b + j, oi + j, k, sai, sap, ldb, ldo, more); j += 128; }
+#else
+        for (; j + 96 <= j1; j += 96) nn_block_1x96(ai, b + j, oi + j, k, sai, sap, ldb, ldo, more);
+#endif
         if (j + 64 <= j1) { nn_block_1x64(ai, b + j, oi + j, k, sai, sap, ldb, ldo, more); j += 64; }
         for (; j + 16 <= j1; j += 16) nn_block_1x16(ai, b + j, oi + j, k, sai, sap, ldb, ldo, more);
         if (j < j1) nn_edge(ai, b + j, oi + j, 1, k, j1 - j, sai, sap, ldb, ldo, more);
@@ -133,11 +194,13 @@ void nn_product_ta(const float *at, const float *b, float *o, int64_t m, int64_t
 static inline __attribute__((always_inline)) void nn_panels(const float *a, const float *panels, float *o,
         int64_t m, int64_t k, int64_t sai, int64_t sap, int64_t ldo, int64_t w, int more) {
     int64_t i = 0;
-    for (; i + 8 <= m; i += 8)
+    for (; i + TALL_R <= m; i += TALL_R)
         for (int64_t j = 0; j < w; j += 32) {
             const float *bp = panels + j * k;   /* (panel j / 32: 32 k floats each) */
-            if (w - j >= 32) nn_block_8x32(a + i * sai, bp, o + i * ldo + j, k, sai, sap, 32, ldo, more);
-            else nn_edge(a + i * sai, bp, o + i * ldo + j, 8, k, w - j, sai, sap, 32, ldo, more);
+            if (w - j >= 32)   /* the panel in TALL_W-wide blocks */
+                for (int64_t jj = 0; jj < 32; jj += TALL_W)
+                    NN_TALL(a + i * sai, bp + jj, o + i * ldo + j + jj, k, sai, sap, 32, ldo, more);
+            else nn_edge(a + i * sai, bp, o + i * ldo + j, TALL_R, k, w - j, sai, sap, 32, ldo, more);
         }
     if (i < m)
         for (int64_t j = 0; j < w; j += 32)
@@ -181,7 +244,7 @@ void gl_matmul_small(const float *a, const float *b, float *o, const int64_t *of
                      int64_t j0, int64_t j1) {
     int64_t e = e0;
     if (m == 1 && j1 - j0 < 128)   /* one row of few columns: four (or two) entries at a time */
-        for (int Q = 4; Q >= 2; Q /= 2)
+        for (int Q = AVX2_BLOCKS ? 2 : 4; Q >= 2; Q /= 2)
             for (; e + Q <= e1; e += Q) {
                 const int64_t *f = offsets + 3 * e;
                 int64_t j = j0;
@@ -225,7 +288,7 @@ void gl_matmul_small(const float *a, const float *b, float *o, const int64_t *of
         for (int64_t p = 0; p < k; p++)                                                         \
             for (int q = 0; q < Q; q++) {                                                       \
                 const float *bp = pn + q * k * 32 + p * 32;                                     \
-                if (R >= 4) { __builtin_prefetch(bp + PANEL_AHEAD); __builtin_prefetch(bp + PANEL_AHEAD + 16); } \
+                if (R >= 3) { __builtin_prefetch(bp + PANEL_AHEAD); __builtin_prefetch(bp + PANEL_AHEAD + 16); } \
                 for (int r = 0; r < R; r++) {                                                   \
                     float ar = a[r * lda + p];                                                  \
                     for (int j = 0; j < 32; j++) acc[r][q][j] = MADD(ar, bp[j], acc[r][q][j]);  \
@@ -243,14 +306,59 @@ void gl_matmul_small(const float *a, const float *b, float *o, const int64_t *of
                     for (int j = 0; j < w; j++) or_[j] = bias ? acc[r][q][j] + bias[q * 32 + j] : acc[r][q][j]; \
             }                                                                                   \
     }
+/* by vector width, as the NN blocks: R x Q panels fill 16 AVX-512 registers, or 12 AVX2 ones */
+#if !AVX2_BLOCKS
+#define PANEL_TALL 8
 PANEL_BLOCK(8, 1)
 PANEL_BLOCK(4, 2)
 PANEL_BLOCK(4, 1)
 PANEL_BLOCK(2, 4)
 PANEL_BLOCK(2, 2)
-PANEL_BLOCK(2, 1)
 PANEL_BLOCK(1, 8)
 PANEL_BLOCK(1, 4)
+#define PANEL_TALL_BLOCK panel_block_8x1
+#define PANEL_REST                                                                              \
+    if (r1 - i >= 4) { int64_t c = c0; PANEL_SPAN(4, 2) PANEL_SPAN(4, 1) i += 4; }              \
+    if (r1 - i >= 2) { int64_t c = c0; PANEL_SPAN(2, 4) PANEL_SPAN(2, 2) PANEL_SPAN(2, 1) i += 2; } \
+    if (r1 - i >= 1) { int64_t c = c0; PANEL_SPAN(1, 8) PANEL_SPAN(1, 4) PANEL_SPAN(1, 2) PANEL_SPAN(1, 1) }
+#else
+PANEL_BLOCK(3, 1)
+PANEL_BLOCK(1, 3)
+#define PANEL_TALL 6
+#define PANEL_TALL_BLOCK panel_block_6
+#define PANEL_REST                                                                              \
+    if (talls > r0)   /* the rows left, panel by panel while each panel is still in cache */     \
+        for (int64_t c = c0; c < c1; c++) {                                                     \
+            const float *pc = pn + c * k * 32, *bc = bias ? bias + c * 32 : 0;                  \
+            const int64_t w_last = c + 1 == cn ? n - (cn - 1) * 32 : 32;                        \
+            int64_t j = i;                                                                      \
+            if (r1 - j >= 3) { panel_block_3x1(a + j * lda, pc, bc, o + j * ldo + c * 32, k, lda, ldo, w_last); j += 3; } \
+            if (r1 - j >= 2) { panel_block_2x1(a + j * lda, pc, bc, o + j * ldo + c * 32, k, lda, ldo, w_last); j += 2; } \
+            if (r1 - j >= 1) panel_block_1x1(a + j * lda, pc, bc, o + j * ldo + c * 32, k, lda, ldo, w_last); \
+        }                                                                                       \
+    else {                                                                                      \
+        if (r1 - i >= 3) { int64_t c = c0; PANEL_SPAN(3, 1) i += 3; }                            \
+        if (r1 - i >= 2) { int64_t c = c0; PANEL_SPAN(2, 1) i += 2; }                            \
+        if (r1 - i >= 1) { int64_t c = c0; PANEL_SPAN(1, 3) PANEL_SPAN(1, 2) PANEL_SPAN(1, 1) }  \
+    }
+/* 6 rows of one panel: a whole panel as two 6 x 16 NN blocks (AVX2's fastest, above; the GCC-
+ * vectorised 3 x 32 panel block ran a batch-8 decode step's products at 33 GFLOP/s), the bias
+ * added after the store (the same two roundings); the last panel of a ragged n by PANEL_BLOCK */
+static inline __attribute__((always_inline)) void panel_block_6(const float *a, const float *pn,
+        const float *bias, float *o, int64_t k, int64_t lda, int64_t ldo, int64_t w_last) {
+    if (w_last < 32) {
+        panel_block_3x1(a, pn, bias, o, k, lda, ldo, w_last);
+        panel_block_3x1(a + 3 * lda, pn, bias, o + 3 * ldo, k, lda, ldo, w_last);
+        return;
+    }
+    nn_block_6x16(a, pn, o, k, lda, 1, 32, ldo, 0);
+    nn_block_6x16(a, pn + 16, o + 16, k, lda, 1, 32, ldo, 0);
+    if (bias)
+        for (int r = 0; r < 6; r++)
+            for (int j = 0; j < 32; j++) o[r * ldo + j] += bias[j];
+}
+#endif
+PANEL_BLOCK(2, 1)
 PANEL_BLOCK(1, 2)
 PANEL_BLOCK(1, 1)
 
@@ -268,15 +376,14 @@ static void panel_rows(const float *a, const float *pn, const float *bias, float
                        int64_t lda, int64_t ldo, int64_t n, int64_t i0, int64_t i1, int64_t c0, int64_t c1) {
     const int64_t cn = (n + 31) / 32;
     for (int64_t r0 = i0; r0 < i1; r0 += PANEL_ROWS) {
-        const int64_t r1 = i1 - r0 < PANEL_ROWS ? i1 : r0 + PANEL_ROWS, eights = r0 + (r1 - r0) / 8 * 8;
+        const int64_t r1 = i1 - r0 < PANEL_ROWS ? i1 : r0 + PANEL_ROWS;
+        const int64_t talls = r0 + (r1 - r0) / PANEL_TALL * PANEL_TALL;
         for (int64_t c = c0; c < c1; c++)
-            for (int64_t i = r0; i < eights; i += 8)
-                panel_block_8x1(a + i * lda, pn + c * k * 32, bias ? bias + c * 32 : 0, o + i * ldo + c * 32,
-                                k, lda, ldo, c + 1 == cn ? n - (cn - 1) * 32 : 32);
-        int64_t i = eights;
-        if (r1 - i >= 4) { int64_t c = c0; PANEL_SPAN(4, 2) PANEL_SPAN(4, 1) i += 4; }
-        if (r1 - i >= 2) { int64_t c = c0; PANEL_SPAN(2, 4) PANEL_SPAN(2, 2) PANEL_SPAN(2, 1) i += 2; }
-        if (r1 - i >= 1) { int64_t c = c0; PANEL_SPAN(1, 8) PANEL_SPAN(1, 4) PANEL_SPAN(1, 2) PANEL_SPAN(1, 1) }
+            for (int64_t i = r0; i < talls; i += PANEL_TALL)
+                PANEL_TALL_BLOCK(a + i * lda, pn + c * k * 32, bias ? bias + c * 32 : 0, o + i * ldo + c * 32,
+                                 k, lda, ldo, c + 1 == cn ? n - (cn - 1) * 32 : 32);
+        int64_t i = talls;
+        PANEL_REST
     }
 }
 
