@@ -192,6 +192,19 @@ void gl_causal_attention_backward(const int64_t *plan, int64_t m0, int64_t m1, f
  *   values:  o = (((a_0 + a_1) + (a_2 + a_3)) + e_p * v) / l per column, a_u the multiply-add
  *            chain of e_j * cv[j] over the cached slots j = u mod 4, j < p, in order (four chains
  *            side by side). */
+/* The values step's four chains for the vector code below: TERM(acc, j) adds slot j's term to
+ * chain acc (a0 .. a3, declared by the caller), chain u taking the slots j = u mod 4, j < p */
+#define FOUR_VALUE_CHAINS(TERM, p)                                                              \
+    do {                                                                                        \
+        int64_t j_ = 0;                                                                         \
+        for (; j_ + 4 <= (p); j_ += 4) {                                                        \
+            TERM(a0, j_); TERM(a1, j_ + 1); TERM(a2, j_ + 2); TERM(a3, j_ + 3);                 \
+        }                                                                                       \
+        if (j_ < (p)) TERM(a0, j_);                                                             \
+        if (j_ + 1 < (p)) TERM(a1, j_ + 1);                                                     \
+        if (j_ + 2 < (p)) TERM(a2, j_ + 2);                                                     \
+    } while (0)
+
 #if defined(__AVX512F__) && defined(__FMA__)
 /* s[0..n) = q . key[c] (n <= 16; the unused lanes read q and are not stored) */
 static inline void attention_dots(const float *q, const float *const key[16], int n, int64_t d, float *s) {
@@ -221,13 +234,7 @@ static inline void attention_values(const float *e, const float *cv, const float
     __mmask16 mask = (__mmask16)((1u << w) - 1u);
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;   /* (named: kept in registers) */
 #define VALUE_TERM(acc, j) acc = _mm512_fmadd_ps(_mm512_set1_ps(e[j]), _mm512_maskz_loadu_ps(mask, cv + (j) * d), acc)
-    int64_t j = 0;
-    for (; j + 4 <= p; j += 4) {
-        VALUE_TERM(a0, j); VALUE_TERM(a1, j + 1); VALUE_TERM(a2, j + 2); VALUE_TERM(a3, j + 3);
-    }
-    if (j < p) VALUE_TERM(a0, j);
-    if (j + 1 < p) VALUE_TERM(a1, j + 1);
-    if (j + 2 < p) VALUE_TERM(a2, j + 2);
+    FOUR_VALUE_CHAINS(VALUE_TERM, p);
 #undef VALUE_TERM
     __m512 sum = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
     sum = _mm512_fmadd_ps(_mm512_set1_ps(e[p]), _mm512_maskz_loadu_ps(mask, v), sum);
@@ -287,13 +294,7 @@ static inline void attention_values(const float *e, const float *cv, const float
         const float *c = cv + h;
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
 #define VALUE_TERM(acc, j) acc = _mm256_fmadd_ps(_mm256_set1_ps(e[j]), _mm256_maskload_ps(c + (j) * d, mask), acc)
-        int64_t j = 0;
-        for (; j + 4 <= p; j += 4) {
-            VALUE_TERM(a0, j); VALUE_TERM(a1, j + 1); VALUE_TERM(a2, j + 2); VALUE_TERM(a3, j + 3);
-        }
-        if (j < p) VALUE_TERM(a0, j);
-        if (j + 1 < p) VALUE_TERM(a1, j + 1);
-        if (j + 2 < p) VALUE_TERM(a2, j + 2);
+        FOUR_VALUE_CHAINS(VALUE_TERM, p);
 #undef VALUE_TERM
         __m256 sum = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
         sum = _mm256_fmadd_ps(_mm256_set1_ps(e[p]), _mm256_maskload_ps(v + h, mask), sum);
