@@ -249,46 +249,112 @@ static inline __m256i lanes_below(int64_t n) {   /* lane l set where l < n */
     return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-static inline float lanes_tree8x2(__m256 lo, __m256 hi) {   /* lanes_tree of the 16 lanes */
-    __m256 s = _mm256_add_ps(lo, hi);                                                   /* h = 8 */
-    __m128 t = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));      /* h = 4 */
-    t = _mm_add_ps(t, _mm_movehl_ps(t, t));                                             /* h = 2 */
-    return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));                       /* h = 1 */
+/* the lanes_tree sums of eight keys' h = 8 vectors s[0..8) (lo + hi: lanes l and l+8), in key
+ * order: h = 4 pairs the 128-bit halves of two keys, h = 2 and h = 1 pair lanes within a half
+ * (each level adds lane l and lane l+h of every key, as lanes_tree does) */
+static inline __m256 lanes_tree8_keys(const __m256 s[8]) {
+    __m256 t[4], u[2];
+    for (int i = 0; i < 4; i++)   /* [key 2i's 4 sums | key 2i+1's] */
+        t[i] = _mm256_add_ps(_mm256_permute2f128_ps(s[2 * i], s[2 * i + 1], 0x20),
+                             _mm256_permute2f128_ps(s[2 * i], s[2 * i + 1], 0x31));
+    for (int i = 0; i < 2; i++)   /* [4i: 2, 4i+2: 2 | 4i+1: 2, 4i+3: 2] */
+        u[i] = _mm256_add_ps(_mm256_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44),
+                             _mm256_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+    __m256 w = _mm256_add_ps(_mm256_shuffle_ps(u[0], u[1], 0x88),   /* [0, 2, 4, 6 | 1, 3, 5, 7] */
+                             _mm256_shuffle_ps(u[0], u[1], 0xDD));
+    return _mm256_permutevar8x32_ps(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-/* s[0..n) = q . key[c] (n <= 16), four keys side by side */
-static inline void attention_dots(const float *q, const float *const key[16], int n, int64_t d, float *s) {
-    const int64_t whole = d / 16 * 16;
-    const __m256i m_lo = lanes_below(d - whole), m_hi = lanes_below(d - whole - 8);
-    for (int c0 = 0; c0 < n; c0 += 4) {
-        const int keys = n - c0 < 4 ? n - c0 : 4;
-        const float *row[4];
-        for (int c = 0; c < 4; c++) row[c] = key[c0 + (c < keys ? c : 0)];
-        __m256 lo[4], hi[4];
-        for (int c = 0; c < 4; c++) lo[c] = hi[c] = _mm256_setzero_ps();
-        for (int64_t p = 0; p < whole; p += 16) {
-            const __m256 x0 = _mm256_loadu_ps(q + p), x1 = _mm256_loadu_ps(q + p + 8);
-            for (int c = 0; c < 4; c++) {
-                lo[c] = _mm256_fmadd_ps(x0, _mm256_loadu_ps(row[c] + p), lo[c]);
-                hi[c] = _mm256_fmadd_ps(x1, _mm256_loadu_ps(row[c] + p + 8), hi[c]);
-            }
+/* key's 16 lanes after h = 8 (lane l + lane l+8), D = d a multiple of 16 up to 64: q's D / 8
+ * vectors x in registers, the lanes' chains from 0 in order of p (nt_lanes) */
+static inline __attribute__((always_inline)) __m256 dot_lanes_h8(const __m256 *x, const float *key, const int D) {
+    __m256 lo = _mm256_fmadd_ps(x[0], _mm256_loadu_ps(key), _mm256_setzero_ps());
+    __m256 hi = _mm256_fmadd_ps(x[1], _mm256_loadu_ps(key + 8), _mm256_setzero_ps());
+    for (int v = 2; v < D / 8; v += 2) {
+        lo = _mm256_fmadd_ps(x[v], _mm256_loadu_ps(key + 8 * v), lo);
+        hi = _mm256_fmadd_ps(x[v + 1], _mm256_loadu_ps(key + 8 * v + 8), hi);
+    }
+    return _mm256_add_ps(lo, hi);
+}
+
+/* s[0..n) = q . key[c] (n <= 16), eight keys' trees at a time; where the tree's eight lanes
+ * pass the n keys, into a buffer first (a masked store is slow on AMD cores) */
+static inline __attribute__((always_inline)) void dots_fixed(const float *q, const float *const key[16], int n,
+                                                              float *s, const int D) {
+    __m256 x[8];
+    for (int v = 0; v < D / 8; v++) x[v] = _mm256_loadu_ps(q + 8 * v);
+    for (int c8 = 0; c8 < n; c8 += 8) {
+        __m256 h8[8];
+        for (int c = 0; c < 8; c++) h8[c] = dot_lanes_h8(x, c8 + c < n ? key[c8 + c] : q, D);
+        const __m256 sums = lanes_tree8_keys(h8);
+        if (n - c8 >= 8) {
+            _mm256_storeu_ps(s + c8, sums);
+        } else {
+            float tmp[8];
+            _mm256_storeu_ps(tmp, sums);
+            for (int c = 0; c < n - c8; c++) s[c8 + c] = tmp[c];
         }
-        if (whole < d) {
-            const __m256 x0 = _mm256_maskload_ps(q + whole, m_lo), x1 = _mm256_maskload_ps(q + whole + 8, m_hi);
-            for (int c = 0; c < 4; c++) {
-                __m256 f0 = _mm256_fmadd_ps(x0, _mm256_maskload_ps(row[c] + whole, m_lo), lo[c]);
-                __m256 f1 = _mm256_fmadd_ps(x1, _mm256_maskload_ps(row[c] + whole + 8, m_hi), hi[c]);
-                lo[c] = _mm256_blendv_ps(lo[c], f0, _mm256_castsi256_ps(m_lo));
-                hi[c] = _mm256_blendv_ps(hi[c], f1, _mm256_castsi256_ps(m_hi));
-            }
-        }
-        for (int c = 0; c < keys; c++) s[c0 + c] = lanes_tree8x2(lo[c], hi[c]);
     }
 }
 
-/* columns [0, w) of the row's output, w <= 16: two vectors of 8 columns, four chains each */
+/* s[0..n) = q . key[c] (n <= 16): four keys' lanes side by side, their trees eight at a time */
+static inline void attention_dots(const float *q, const float *const key[16], int n, int64_t d, float *s) {
+    if (d == 32) { dots_fixed(q, key, n, s, 32); return; }
+    if (d == 64) { dots_fixed(q, key, n, s, 64); return; }
+    const int64_t whole = d / 16 * 16;
+    const __m256i m_lo = lanes_below(d - whole), m_hi = lanes_below(d - whole - 8);
+    for (int c8 = 0; c8 < n; c8 += 8) {
+        __m256 h8[8];   /* key c8 + c's lanes after h = 8 */
+        for (int c0 = 0; c0 < 8; c0 += 4) {
+            const float *row[4];
+            for (int c = 0; c < 4; c++) row[c] = c8 + c0 + c < n ? key[c8 + c0 + c] : q;
+            __m256 lo[4], hi[4];
+            for (int c = 0; c < 4; c++) lo[c] = hi[c] = _mm256_setzero_ps();
+            for (int64_t p = 0; p < whole; p += 16) {
+                const __m256 x0 = _mm256_loadu_ps(q + p), x1 = _mm256_loadu_ps(q + p + 8);
+                for (int c = 0; c < 4; c++) {
+                    lo[c] = _mm256_fmadd_ps(x0, _mm256_loadu_ps(row[c] + p), lo[c]);
+                    hi[c] = _mm256_fmadd_ps(x1, _mm256_loadu_ps(row[c] + p + 8), hi[c]);
+                }
+            }
+            if (whole < d) {
+                const __m256 x0 = _mm256_maskload_ps(q + whole, m_lo), x1 = _mm256_maskload_ps(q + whole + 8, m_hi);
+                for (int c = 0; c < 4; c++) {
+                    __m256 f0 = _mm256_fmadd_ps(x0, _mm256_maskload_ps(row[c] + whole, m_lo), lo[c]);
+                    __m256 f1 = _mm256_fmadd_ps(x1, _mm256_maskload_ps(row[c] + whole + 8, m_hi), hi[c]);
+                    lo[c] = _mm256_blendv_ps(lo[c], f0, _mm256_castsi256_ps(m_lo));
+                    hi[c] = _mm256_blendv_ps(hi[c], f1, _mm256_castsi256_ps(m_hi));
+                }
+            }
+            for (int c = 0; c < 4; c++) h8[c0 + c] = _mm256_add_ps(lo[c], hi[c]);
+        }
+        float tmp[8];
+        _mm256_storeu_ps(tmp, lanes_tree8_keys(h8));
+        for (int c = 0; c < 8 && c8 + c < n; c++) s[c8 + c] = tmp[c];
+    }
+}
+
+/* columns [0, w) of the row's output, w <= 16: two vectors of 8 columns, four chains each; a
+ * whole 16 as the two side by side (eight chains in flight: the FMAs' latency hidden) */
 static inline void attention_values(const float *e, const float *cv, const float *v, float *o,
                                     int64_t p, int64_t d, float l, int64_t w) {
+    if (w == 16) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a0h = a0, a1h = a0, a2h = a0, a3h = a0;
+#define VALUE_TERM(acc, j)                                                                      \
+        do {                                                                                    \
+            const __m256 e_ = _mm256_set1_ps(e[j]);                                             \
+            acc = _mm256_fmadd_ps(e_, _mm256_loadu_ps(cv + (j) * d), acc);                      \
+            acc##h = _mm256_fmadd_ps(e_, _mm256_loadu_ps(cv + (j) * d + 8), acc##h);            \
+        } while (0)
+        FOUR_VALUE_CHAINS(VALUE_TERM, p);
+#undef VALUE_TERM
+        const __m256 ep = _mm256_set1_ps(e[p]), lv = _mm256_set1_ps(l);
+        __m256 lo = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+        __m256 hi = _mm256_add_ps(_mm256_add_ps(a0h, a1h), _mm256_add_ps(a2h, a3h));
+        _mm256_storeu_ps(o, _mm256_div_ps(_mm256_fmadd_ps(ep, _mm256_loadu_ps(v), lo), lv));
+        _mm256_storeu_ps(o + 8, _mm256_div_ps(_mm256_fmadd_ps(ep, _mm256_loadu_ps(v + 8), hi), lv));
+        return;
+    }
     for (int64_t h = 0; h < w; h += 8) {
         const __m256i mask = lanes_below(w - h);
         const float *c = cv + h;
