@@ -21,7 +21,8 @@ from ..numpy.tiling import even_cuts
 from ..reference import check_cached_position
 from .build import library
 from .table import native_kernel
-from .team import TEAM_MIN_FLOPS, blas_sgemm, call_tables, entry_offsets, native_arrays, ptr, team_closure, team_table
+from .team import (TEAM_MIN_FLOPS, blas_sgemm, call_tables, checked_closure, entry_offsets, native_arrays, ptr,
+                   team_closure, team_table)
 
 
 # == causal attention ======================================================================================
@@ -159,6 +160,9 @@ def _cached_attention(node, out, ins, scratch):
 
     scale_bits = int(np.float32(scale).view(np.uint32))
 
+    def piece(r0, r1):   # (team.c's kind 4: more arguments than a call piece holds)
+        return (4, *pointers, r0, r1, t, d, ldq, ldk, ldv, ldo, t * d, scale_bits)
+
     def pieces(threads):
         """On n threads: (a gl_team_run table of n row ranges,) where the work at a full cache
         reaches TEAM_MIN_FLOPS; else None (whole on this thread): TinyLM's batch-1 step, 6 rows
@@ -166,12 +170,11 @@ def _cached_attention(node, out, ins, scratch):
         full_cache_flops = 4 * rows * t * d   # the scores and the weighted sum over every slot
         if threads < 2 or rows < 2 or full_cache_flops < TEAM_MIN_FLOPS:
             return None
-        return (team_table([(4, *pointers, r0, r1, t, d, ldq, ldk, ldv, ldo, t * d, scale_bits)
-                            for r0, r1 in even_cuts(rows, threads)]),)
-    inner = team_closure(call(0, rows), pieces)
+        return (team_table([piece(r0, r1) for r0, r1 in even_cuts(rows, threads)]),)
+    inner = team_closure(call(0, rows), pieces, whole_piece=piece(0, rows))
 
-    def run():
-        check_cached_position(node, position, t)   # (C trusts the position: it indexes the caches)
-        inner()
+    def check():   # (C trusts the position: it indexes the caches)
+        check_cached_position(node, position, t)
+    run = checked_closure(check, inner, (5,))
     run.arrays = (q, k, v, cache_k, cache_v, out, scores, position, inner)   # (the raw pointers point into these)
     return run

@@ -127,6 +127,30 @@ void gl_copy_rows(const float *src, float *dst, int64_t r0, int64_t r1, int64_t 
     }
 }
 
+/* ---- gathers and writes of rows: an embedding's lookup, a KV cache's write ---------------- */
+
+/* out[i] = table[ids[i]] for the ids [i0, i1), rows of `dim` floats; an id outside [0, rows) is
+ * clamped (np.take's mode="clip": the caller has checked the ids, executors/native/kernels.py) */
+void gl_embedding_rows(const float *table, const int64_t *ids, float *out, int64_t i0, int64_t i1,
+                       int64_t rows, int64_t dim) {
+    for (int64_t i = i0; i < i1; i++) {
+        int64_t id = ids[i] < 0 ? 0 : ids[i] >= rows ? rows - 1 : ids[i];
+        memcpy(out + i * dim, table + id * dim, (size_t)dim * sizeof(float));
+    }
+}
+
+/* A KV cache's write at the position *pos (checked by the caller): value [n0, n1, n2] at element
+ * strides (vs0, vs1, 1) into the cache's [n0, n1, n2] at (cs0, cs1, 1) from cache + *pos * step;
+ * the op's token out = 0. */
+void gl_cache_write(const float *value, float *cache, const int64_t *pos, float *token, int64_t step,
+                    int64_t n0, int64_t n1, int64_t n2, int64_t vs0, int64_t vs1, int64_t cs0, int64_t cs1) {
+    float *base = cache + *pos * step;
+    for (int64_t i = 0; i < n0; i++)
+        for (int64_t j = 0; j < n1; j++)
+            memcpy(base + i * cs0 + j * cs1, value + i * vs0 + j * vs1, (size_t)n2 * sizeof(float));
+    *token = 0.0f;
+}
+
 /* ---- layer norm (rows of `cols` floats) ------------------------------------------------- */
 
 /* y = (x - mean) / sqrt(mean((x - mean)^2) + eps) * w + b per row (w, b may be NULL). Kept for

@@ -22,6 +22,7 @@ import numpy as np
 from graphlm.ops import GELU_A, GELU_B, GELU_DA, GELU_DB, norm_parts
 from graphlm.random import stream_base
 
+from .. import reference
 from ..base import check_index_range
 from ..numpy import get_threads
 from ..numpy.dropout import keep_threshold
@@ -31,7 +32,7 @@ from ..numpy.pool import parallel
 from ..numpy.tiling import size_groups
 from .build import library
 from .table import native_kernel
-from .team import native_arrays, ptr, ptr_at, split_calls
+from .team import checked_closure, native_arrays, ptr, ptr_at, single_call, split_calls
 
 
 
@@ -109,7 +110,6 @@ def _gelu_backward_sigmoid(node, out, ins, scratch):
 # per row), and on n threads split over the C team where the numpy executor runs them whole.
 
 _BINARY_OPS = {"add": 0, "mul": 1}   # gl_binary_rows' op codes
-MIN_C_ELEMENTS = 1 << 14   # below this NumPy's call costs less than a C call's ctypes and team check (decoding)
 
 
 def _row_broadcast(y_shape, shape) -> tuple[int, int] | None:
@@ -131,7 +131,7 @@ def _row_broadcast(y_shape, shape) -> tuple[int, int] | None:
 @native_kernel("add", "mul")
 def _binary(node, out, ins, scratch):
     """x + y or x * y with y whole along the last axis and broadcast over rows (_row_broadcast)."""
-    if node.dtype != np.float32 or len(ins) != 2 or out.ndim == 0 or out.size < MIN_C_ELEMENTS:
+    if node.dtype != np.float32 or len(ins) != 2 or out.ndim == 0 or out.size == 0:
         return None
     x, y = ins if ins[0].shape == out.shape else ins[::-1]   # (both ops commute, bit for bit)
     layout = _row_broadcast(y.shape, out.shape) if x.shape == out.shape else None
@@ -148,7 +148,7 @@ def _sum(node, out, ins, scratch):
     """A sum over one run of outer axes (a bias gradient's rows, a batched product's batch)."""
     (x,) = ins
     axes = list(node.attrs["axes"])
-    if (node.dtype != np.float32 or x.size < MIN_C_ELEMENTS or not axes or axes != list(range(axes[0], axes[-1] + 1))
+    if (node.dtype != np.float32 or x.size == 0 or not axes or axes != list(range(axes[0], axes[-1] + 1))
             or axes[-1] == x.ndim - 1 or not native_arrays(x, out)):
         return None
     groups, rows = math.prod(x.shape[:axes[0]]), math.prod(x.shape[axes[0]:axes[-1] + 1])
@@ -181,7 +181,7 @@ def _rows_layout(x) -> tuple[int, ...] | None:
 
 def _copy_closure(src, dst, plus_zero: int):
     """dst (C-contiguous, src's shape) = src (+ 0.0 where plus_zero) by gl_copy_rows, or None."""
-    layout = _rows_layout(src) if src.size >= MIN_C_ELEMENTS else None
+    layout = _rows_layout(src)
     if layout is None or not native_arrays(dst) or dst.size != src.size:
         return None
     *dims, rows = layout
@@ -339,6 +339,70 @@ def _embedding_backward(node, out, ins, scratch):
         columns()
     run.arrays = columns
     return run
+
+
+# == an embedding's lookup, a KV cache's write ==============================================================
+
+@native_kernel("embedding")
+def _embedding(node, out, ins, scratch):
+    """out = table[ids] by rows (gl_embedding_rows), the ids checked first as the numpy kernel
+    checks them (one id as a Python int: min() and max() cost ~5 us a decode step)."""
+    table, ids = ins
+    rows, dim = table.shape
+    if node.dtype != np.float32 or not native_arrays(table, out) or not _int64_rows(ids) or out.size != ids.size * dim:
+        return None
+    fn = library().gl_embedding_rows
+    gather = split_calls(lambda lo, hi: functools.partial(fn, ptr(table), ptr(ids), ptr(out), lo, hi, rows, dim),
+                         ids.size, dim, (table, ids, out))
+    if ids.size == 1:
+        item = ids.reshape(-1).item
+
+        def check():
+            if not 0 <= item(0) < rows:
+                check_index_range(node, ids, rows, "token id")
+    else:
+        def check():
+            check_index_range(node, ids, rows, "token id")
+    return checked_closure(check, gather, (1,))
+
+
+def _write_layout(value, region) -> tuple[int, ...] | None:
+    """(n0, n1, n2, value's strides s0, s1, the region's r0, r1) in elements: `value` and `region`
+    (the cache's slots it goes to, at position 0), of one shape, as at most three axes whose last
+    is contiguous in both (size-1 axes dropped); None where they need more."""
+    if value.dtype != np.float32 or region.dtype != np.float32 or any(s % 4 for s in value.strides + region.strides):
+        return None
+    axes = [[d, vs // 4, rs // 4] for d, vs, rs in zip(value.shape, value.strides, region.strides) if d != 1]
+    while len(axes) > 1 and axes[-1][1:] == [1, 1] and axes[-2][1] == axes[-2][2] == axes[-1][0]:
+        d = axes.pop()[0]   # (the last two axes contiguous in both: one)
+        axes[-1] = [axes[-1][0] * d, 1, 1]
+    if not axes or axes[-1][1:] != [1, 1] or len(axes) > 3:
+        return None
+    axes = [[1, 0, 0]] * (3 - len(axes)) + axes
+    (n0, v0, r0), (n1, v1, r1), (n2, _, _) = axes
+    return n0, n1, n2, v0, v1, r0, r1
+
+
+@native_kernel("cache_write")
+def _cache_write(node, out, ins, scratch):
+    """cache[..., pos:pos+n, ...] = value by rows (gl_cache_write), the position checked first as
+    the numpy kernel checks it (0 <= pos <= cache length - n)."""
+    cache, value, pos = ins
+    axis, n = node.attrs["axis"], value.shape[node.attrs["axis"]]
+    if pos.dtype != np.int64 or not native_arrays(cache, out) or value.size == 0:
+        return None
+    layout = _write_layout(value, cache[(slice(None),) * axis + (slice(0, n),)])
+    if layout is None:
+        return None
+    limit, step = cache.shape[axis] - n, cache.strides[axis] // 4
+    write = single_call(functools.partial(library().gl_cache_write, ptr(value), ptr(cache), ptr(pos), ptr(out),
+                                          step, *layout), (cache, value, pos, out))
+    item = pos.reshape(-1).item
+
+    def check():
+        if not 0 <= item(0) <= limit:
+            reference.KERNELS["cache_write"](node, cache, value, pos)   # raises, naming the node
+    return checked_closure(check, write, (2,))
 
 
 # == dropout ================================================================================================

@@ -109,22 +109,59 @@ def team_table(pieces) -> np.ndarray:
     return table
 
 
-def team_closure(whole, tables_for, otherwise=None):
+def team_closure(whole, tables_for, otherwise=None, whole_piece=None):
     """A closure running ``whole()`` on one thread, and on n threads the team table that
     ``tables_for(n)`` returns (built once per n: (table, *arrays the table's addresses point
-    into)), or ``otherwise()`` (default whole) where it returns None."""
+    into)), or ``otherwise()`` (default whole) where it returns None. Its ``step_table(n)`` is the
+    same work as one team table, for a run of steps in one C call (program.py, `StepRun`):
+    whole as a call piece, or as the piece `whole_piece` (its words) where it is none."""
     tables: dict[int, tuple | None] = {}
     team = library().gl_team_run
+
+    def found_for(threads):
+        return tables[threads] if threads in tables else tables.setdefault(threads, tables_for(threads))
 
     def run():
         threads = get_threads()
         if threads == 1:
             return whole()
-        found = tables[threads] if threads in tables else tables.setdefault(threads, tables_for(threads))
+        found = found_for(threads)
         if found is None:
             return (otherwise or whole)()
         team(found[0].ctypes.data, len(found[0]))
-    run.whole, run.tables = whole, tables
+
+    def step_table(threads):
+        """The team table that runs this closure's work on `threads` threads: its own where it
+        has one, else ``whole`` as one call piece; None where whole cannot be one (otherwise()
+        then splits it on the Python pool)."""
+        found = found_for(threads) if threads > 1 else None
+        if found is not None:
+            return found[0]
+        piece = call_piece(whole) or whole_piece
+        return None if piece is None else team_table([piece])
+    run.whole, run.tables, run.step_table = whole, tables, step_table
+    return run
+
+
+def single_call(call, arrays):
+    """A closure running the kernel call `call` (``functools.partial(library().gl_..., *args)``)
+    on this thread whatever the thread count, with its `step_table` for a run of steps; `arrays`
+    are held so their memory outlives the raw pointers inside the call."""
+    run = team_closure(call, lambda threads: None)
+    run.arrays = arrays
+    return run
+
+
+def checked_closure(check, inner, checked: tuple[int, ...]):
+    """A closure running ``check()`` (which raises, naming the node, where an input is out of
+    range: a position, an id), then ``inner()`` (a `team_closure`). For a run of steps its
+    ``check`` may run before the whole run (program.py, `StepRun`: where the node's inputs at
+    positions `checked` are fed inputs, which no step writes), and its ``step_table`` is
+    inner's."""
+    def run():
+        check()
+        inner()
+    run.check, run.checked, run.step_table, run.arrays = check, checked, inner.step_table, inner
     return run
 
 

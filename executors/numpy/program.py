@@ -58,7 +58,8 @@ class NumpyProgram(Program):
         self._feed_pairs = [(buf, name) for name, buf in self._feed_buffers.items()]
         self._bound: list[tuple[str, np.ndarray]] | None = None
         self._checked: list[tuple] | None = None
-        self._steps: list[Callable[[], None]] = []
+        self._steps: list[Callable[[], None]] = []      # one closure per scheduled node (profile)
+        self._run_steps: list[Callable[[], None]] = []  # what run calls: the steps, or runs of them
         self._state_copies: list[tuple[np.ndarray, np.ndarray]] = []
         self._results: list[np.ndarray] = []
         if poison:
@@ -130,6 +131,7 @@ class NumpyProgram(Program):
             step_nodes.append(n)
         self._steps = steps
         self._step_nodes = step_nodes
+        self._run_steps = self._sequenced(steps, step_nodes)
         self._state_copies = copies
         self._results = [arrays[o.id] for o in self.outputs]
         self._bound = [(name, state[name]) for name in self.state_nodes]
@@ -165,9 +167,14 @@ class NumpyProgram(Program):
         for private, arr in self._state_copies:
             np.copyto(private, arr)
         with np.errstate(all="ignore"):
-            for step in self._steps:
+            for step in self._run_steps:
                 step()
         return [r.copy() for r in self._results]
+
+    def _sequenced(self, steps, step_nodes) -> list[Callable[[], None]]:
+        """What `run` calls for these steps, in order: here the steps themselves (a derived
+        executor joins runs of them into one call: executors/native/program.py)."""
+        return steps
 
     def profile(self, feeds=None, state=None) -> list[tuple]:
         """Run once, timing every kernel: [(node, seconds), ...] in run order. The node is the
