@@ -277,30 +277,30 @@ static inline __attribute__((always_inline)) __m256 dot_lanes_h8(const __m256 *x
     return _mm256_add_ps(lo, hi);
 }
 
-/* s[0..n) = q . key[c] (n <= 16), eight keys' trees at a time; where the tree's eight lanes
- * pass the n keys, into a buffer first (a masked store is slow on AMD cores) */
-static inline __attribute__((always_inline)) void dots_fixed(const float *q, const float *const key[16], int n,
-                                                              float *s, const int D) {
-    __m256 x[8];
+/* A row's scores s[j] = q . key_j for the cached keys j < p (rows D apart from kc) and s[p] =
+ * q . knew, D = d a multiple of 16 up to 64: q in registers, the cached keys read straight
+ * through eight at a time (their trees reduced together), the last group with the new key
+ * through a buffer. One call a row: the 16-key calls through a table of key pointers cost
+ * twice the dots themselves (0.25 us a row at p = 66). */
+static inline __attribute__((always_inline)) void row_dots_fixed(const float *q, const float *kc, const float *knew,
+                                                                  int64_t p, float *s, const int D) {
+    __m256 x[8], h8[8];
     for (int v = 0; v < D / 8; v++) x[v] = _mm256_loadu_ps(q + 8 * v);
-    for (int c8 = 0; c8 < n; c8 += 8) {
-        __m256 h8[8];
-        for (int c = 0; c < 8; c++) h8[c] = dot_lanes_h8(x, c8 + c < n ? key[c8 + c] : q, D);
-        const __m256 sums = lanes_tree8_keys(h8);
-        if (n - c8 >= 8) {
-            _mm256_storeu_ps(s + c8, sums);
-        } else {
-            float tmp[8];
-            _mm256_storeu_ps(tmp, sums);
-            for (int c = 0; c < n - c8; c++) s[c8 + c] = tmp[c];
-        }
+    int64_t j = 0;
+    for (; j + 8 <= p; j += 8) {
+        for (int c = 0; c < 8; c++) h8[c] = dot_lanes_h8(x, kc + (j + c) * D, D);
+        _mm256_storeu_ps(s + j, lanes_tree8_keys(h8));
     }
+    for (int c = 0; c < 8; c++)   /* slots j.. p - 1, then the new key (the lanes past it read q) */
+        h8[c] = dot_lanes_h8(x, j + c < p ? kc + (j + c) * D : j + c == p ? knew : q, D);
+    float tmp[8];
+    _mm256_storeu_ps(tmp, lanes_tree8_keys(h8));
+    for (int64_t c = 0; j + c <= p; c++) s[j + c] = tmp[c];
 }
+#define ROW_DOTS_FIXED 1   /* (gl_cached_attention takes it for d = 32 and 64) */
 
 /* s[0..n) = q . key[c] (n <= 16): four keys' lanes side by side, their trees eight at a time */
 static inline void attention_dots(const float *q, const float *const key[16], int n, int64_t d, float *s) {
-    if (d == 32) { dots_fixed(q, key, n, s, 32); return; }
-    if (d == 64) { dots_fixed(q, key, n, s, 64); return; }
     const int64_t whole = d / 16 * 16;
     const __m256i m_lo = lanes_below(d - whole), m_hi = lanes_below(d - whole - 8);
     for (int c8 = 0; c8 < n; c8 += 8) {
@@ -404,6 +404,11 @@ void gl_cached_attention(const float *q, const float *k, const float *v, const f
     for (int64_t r = r0; r < r1; r++) {
         const float *qr = q + r * ldq, *kc = ck + r * ldc, *vc = cv + r * ldc;
         float *s = scores + r * (t + 1), *o = out + r * ldo;
+#ifdef ROW_DOTS_FIXED
+        if (d == 32) row_dots_fixed(qr, kc, k + r * ldk, p, s, 32);
+        else if (d == 64) row_dots_fixed(qr, kc, k + r * ldk, p, s, 64);
+        else
+#endif
         for (int64_t j0 = 0; j0 <= p; j0 += 16) {   /* the slots j < p, then the new key */
             const float *key[16];
             int n = p + 1 - j0 < 16 ? (int)(p + 1 - j0) : 16;
