@@ -26,8 +26,6 @@ native = pytest.importorskip("graphlm.executors.native")
 if not native.available():
     pytest.skip("no C compiler", allow_module_level=True)
 
-from graphlm.executors.native.program import StepRun  # noqa: E402
-
 
 @pytest.fixture(scope="module")
 def model_and_params():
