@@ -2,7 +2,8 @@
 kernels run by one call (team.c's gl_run_steps).
 
 - a decode step's program is one run, and it gives the bits of its steps called one by one, on
-  1 and 2 threads, batch 1 and 3;
+  1 and 2 threads, batch 1 and 3; so does a fresh training step's program on 2 threads, whose
+  products try their cuts at their first call (the run's table is built after it);
 - the run's input checks come first: a position past the cache (which the positional
   embedding meets first) or a token id out of range is the op's one-line error, and neither the
   KV cache nor any output is written;
@@ -59,6 +60,9 @@ def test_a_decode_step_is_one_run_with_the_bits_of_its_steps(model_and_params, b
     numpy_executor.set_threads(threads)
     feeds = {"tokens": np.arange(batch).reshape(batch, 1) + 3, "position": np.asarray(5, np.int64)}
     caches = {n: gen.state[n].copy() for n in gen.cache_names}
+    prog.run(feeds, gen.state)   # (the first run on a thread count calls the steps one by one)
+    for n in gen.cache_names:
+        gen.state[n][...] = caches[n]
     runs = prog.step_runs(gen.state)
     assert len(runs) == 1 and [n.id for n in runs[0]] == [n.id for n in prog._step_nodes]
     assert {"embedding", "cache_write", "add", "cached_attention", "panel_matmul"} <= {n.op for n in runs[0]}
@@ -143,3 +147,40 @@ def test_embedding_and_cache_write_in_c_give_the_numpy_executors_bits(batch, len
     (a, ca), (b, cb) = results["numpy"], results["native"]
     assert all(x.tobytes() == y.tobytes() for x, y in zip(a, b)) and ca.tobytes() == cb.tobytes()
     assert cb[:, :, 4:4 + length].all() and not cb[:, :, :4].any() and not cb[:, :, 4 + length:].any()
+
+
+@pytest.mark.threads
+def test_a_fresh_training_steps_first_runs_on_two_threads_give_the_bits_of_its_steps(monkeypatch):
+    """A product's first call on n threads tries its cuts on its own output (BLAS pieces, the
+    exactness probe), which only its turn may write: a run of steps builds its table only after
+    its steps' first calls, so a fresh program's first two steps (one by one, then as runs) give
+    the bits of the steps called one by one (the loss, the gradient norm and the updated
+    weights). Building the tables before the first run had changed the first step's loss by 0.03."""
+    from graphlm.models import GPT
+    from graphlm.optim import AdamW
+    config = GPTConfig.preset("tinylm")
+
+    def first_step(runs: bool):
+        model = GPT(config)
+        g = gl.Graph("train")
+        tokens, targets = (g.input(n, (1, config.context_length), np.int64) for n in ("tokens", "targets"))
+        model.train()
+        opt = AdamW(lr=1e-3, clip_norm=1.0)
+        step = opt.minimize(model.loss(tokens, targets))
+        prog = executors.get("native").compile(g, [step.loss, step.grad_norm, step.update])
+        if not runs:
+            monkeypatch.setattr(prog, "_sequenced", lambda steps, nodes: steps)
+        state = {**model.init(0), **opt.init_state()}
+        rng = np.random.default_rng(0)
+        feeds = {"tokens": rng.integers(0, 256, (1, config.context_length)),
+                 "targets": rng.integers(0, 256, (1, config.context_length)), **opt.feeds(0)}
+        if "dropout_key" in g.inputs:
+            feeds["dropout_key"] = np.asarray(11, np.int64)
+        numpy_executor.set_threads(2)
+        out = [prog.run(feeds, state), prog.run({**feeds, **opt.feeds(1)}, state)]   # (the second as a run)
+        return out, state, prog
+    (got, state, prog), (want, state_alone, _) = first_step(True), first_step(False)
+    assert any(len(run) > 5 for run in prog.step_runs())
+    for step in (0, 1):
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(got[step], want[step])), step
+    assert all(state[n].tobytes() == state_alone[n].tobytes() for n in state)

@@ -15,9 +15,10 @@ class StepRun:
     """Consecutive steps of a program run by one C call (team.c's gl_run_steps), each step's
     team table (`team_closure`'s ``step_table(n)``: its work on n threads as one table) run as
     gl_team_run runs them. The steps' input checks (a cache position, token ids) run first: they
-    read only fed inputs, which no step writes. Where a step has no table for the thread count,
-    the steps run one by one as closures. Same work, same order, so the same bits as the steps
-    run one by one; a decode step's fifty small kernels no longer cost a ctypes call each."""
+    read only fed inputs, which no step writes. The first run on a thread count, and every run
+    where a step has no table for it, calls the steps one by one as closures. Same work, same
+    order, so the same bits as the steps run one by one; a decode step's fifty small kernels no
+    longer cost a ctypes call each."""
 
     def __init__(self, steps):
         self.steps = steps
@@ -27,7 +28,10 @@ class StepRun:
 
     def _table(self, threads: int) -> tuple | None:
         """(address, count, the tables): gl_run_steps' rows (a table's address, its pieces), or
-        None where a step has no table on `threads` threads."""
+        None where a step has no table on `threads` threads. Built only once every step has
+        run on that many threads: a closure builds its table there at its first call, and a
+        product's build tries its cuts on its own output (executors/numpy/matmul.py,
+        `pieces_round_as_whole`), which before its turn may still hold a value the run reads."""
         tables = [s.step_table(threads) for s in self.steps]
         if any(t is None for t in tables):
             return None
@@ -36,11 +40,12 @@ class StepRun:
 
     def __call__(self) -> None:
         threads = get_threads()
-        found = self._tables[threads] if threads in self._tables else \
-            self._tables.setdefault(threads, self._table(threads))
-        if found is None:
+        found = self._tables.get(threads)
+        if found is None:   # the first run on this many threads, or a step without a table
             for step in self.steps:
                 step()
+            if threads not in self._tables:   # (after each step's first call: see _table)
+                self._tables[threads] = self._table(threads)
             return
         for check in self.checks:
             check()
