@@ -238,10 +238,9 @@ void gl_team_run(const int64_t *pieces, int64_t count) {
     pthread_mutex_unlock(&team_lock);
 }
 
-/* A program's run of steps (executors/native/program.py: `StepRun`): step i is the team table at
- * steps[2i] (an address) of steps[2i + 1] pieces, run as gl_team_run runs it, the steps one after
- * the other. One call from Python for the whole run: a decode step's fifty small kernels cost a
- * ctypes call each otherwise, about as long as most of them take. */
+/* A program's run of steps (executors/native/program.py: `StepRun`, which says why): step i is the
+ * team table at steps[2i] (an address) of steps[2i + 1] pieces, run as gl_team_run runs it, the
+ * steps one after the other. */
 void gl_run_steps(const int64_t *steps, int64_t count) {
     for (int64_t i = 0; i < count; i++)
         gl_team_run((const int64_t *)(intptr_t)steps[2 * i], steps[2 * i + 1]);
