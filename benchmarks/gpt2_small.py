@@ -47,6 +47,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
+from graphlm.executors.native.products import large_products_by  # noqa: E402
 from graphlm.executors.numpy.pool import blas_core  # noqa: E402
 from graphlm.models import GPT, GPTConfig  # noqa: E402
 from graphlm.tools.params import flops_per_token  # noqa: E402
@@ -297,6 +298,7 @@ def main(argv=None) -> int:
               "tasks": args.tasks, "steps_timed": args.steps, "new_tokens": args.new_tokens,
               "machine": {"python": platform.python_version(), "numpy": np.__version__, "torch": torch.__version__,
                           "cpus": len(os.sched_getaffinity(0)), "numpy_blas_core": blas_core(),
+                          "large_products_by": large_products_by(),
                           "OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE")},
               "models": {}}
     if args.llama:

@@ -54,6 +54,7 @@ sys.path.insert(0, str(ROOT))
 
 from graphlm import executors  # noqa: E402
 from graphlm.executors import numpy as numpy_executor  # noqa: E402
+from graphlm.executors.native.products import large_products_by  # noqa: E402
 from graphlm.executors.numpy.pool import blas_core  # noqa: E402
 import graphlm as gl  # noqa: E402
 from graphlm.models import GPT, GPTConfig  # noqa: E402
@@ -370,7 +371,8 @@ def markdown(result: dict) -> str:
     lines = [f"TinyLM training step, graphlm's {result.get('executor', 'numpy')} executor, {result['threads']} thread(s), turns of {result.get('block', 1)} steps, np.matmul 2048^3 peak "
              f"{result['matmul_peak_gflops']} GFLOP/s (best of {result.get('matmul_peak_measurements', 1)}, the first "
              f"{result.get('matmul_peak_first_gflops', '-')}; OpenBLAS kernels "
-             f"{result.get('machine', {}).get('numpy_blas_core', '-')}), dropout {result['config']['dropout']}. "
+             f"{result.get('machine', {}).get('numpy_blas_core', '-')}; graphlm's large products: "
+             f"{result.get('machine', {}).get('large_products_by', '-')}), dropout {result['config']['dropout']}. "
              "torch: attention spelled out; torch_sdpa: F.scaled_dot_product_attention",
              "",
              "| batch | graphlm ms | torch ms | torch_sdpa ms | graphlm / torch | graphlm / torch_sdpa "
@@ -461,6 +463,7 @@ def main(argv=None) -> int:
               "peak_memory_method": "peak RSS (VmHWM) of a subprocess per framework and batch, 3 steps",
               "machine": {"python": platform.python_version(), "numpy": np.__version__,
                           "torch": torch.__version__, "numpy_blas_core": blas_core(),
+                          "large_products_by": large_products_by(),
                           "OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE")}}
     if not args.no_memory:
         result["memory"] = {str(b): measure_memory(b, args.threads) for b in args.batches}

@@ -431,13 +431,13 @@ def test_a_cut_is_used_only_when_its_pieces_round_as_the_whole(monkeypatch):
     assert matmul.pieces_round_as_whole(a, b, out, 0, [(0, 100)], matmul=_rounds_by_piece_height)
     # the executor asks the check (for the product itself) and keeps a product whole when no cut passes
     asked = []
-    monkeypatch.setattr(matmul, "_cuts_round_as_whole", lambda *args: asked.append(args[3:]) or False)
+    monkeypatch.setattr(matmul, "_cuts_round_as_whole", lambda *args: asked.append(args[3:5]) or False)
     assert matmul.matmul_parts(a, b, out, 2) == []
     assert asked and asked[0][0] == 0 and {axis for axis, _ in asked} == {0, 1}   # rows first, then columns
     # a batched product falls back from a rejected cut to the next best
     batched = rng.standard_normal((4, 100, 30)).astype(np.float32)
     out3 = np.empty((4, 100, 20), np.float32)
-    monkeypatch.setattr(matmul, "_cuts_round_as_whole", lambda a, b, out, axis, cuts: axis == 1)
+    monkeypatch.setattr(matmul, "_cuts_round_as_whole", lambda a, b, out, axis, cuts, matmul: axis == 1)
     pieces = matmul.matmul_parts(batched, b, out3, 2)
     assert len(pieces) == 2 and all(po.shape[0] == 4 for _, _, po in pieces)
 

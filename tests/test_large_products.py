@@ -5,7 +5,8 @@ the small-product kernel takes) and what they guarantee.
   g^T @ x, batched and broadcast operands), ragged edges, and k past a tile's run of p;
 - every element is the small-product kernel's NN chain over k (so its bits do not depend on the
   tiles, the packing of a transposed operand, the rows around it, the cut or the thread count);
-- a training step's products take it, and the flag puts them back on NumPy's BLAS.
+- a training step's products take it, and the flag puts them back on NumPy's BLAS (oneMKL's
+  products off: tests/test_mkl_products.py has theirs).
 """
 from __future__ import annotations
 
@@ -22,8 +23,10 @@ pytestmark = pytest.mark.usefixtures("native")   # skipped without a C compiler 
 
 @pytest.fixture(autouse=True)
 def large_products_on(monkeypatch):
-    """The kernel whatever this machine's choice (products.large_products_in_c)."""
+    """The kernel whatever this machine's choice (products.large_products_in_c); where it is
+    off, NumPy's OpenBLAS, not oneMKL."""
     monkeypatch.setattr(native.products, "LARGE_PRODUCTS_IN_C", True)
+    monkeypatch.setattr(native.products, "MKL_PRODUCTS", False)
 
 
 def large_product(a, b):
@@ -140,15 +143,18 @@ def test_a_training_step_takes_the_large_kernel_and_the_flag_puts_back_blas(monk
 @pytest.mark.parametrize("flags,core,want", [({"avx2", "avx512f"}, "Haswell", True), ({"avx512f"}, "Zen", True),
                                              ({"avx512f"}, "SkylakeX", False), ({"avx512f"}, "COOPERLAKE", False),
                                              ({"avx2"}, "Haswell", False), ({"avx512f"}, None, True)])
-def test_the_choice_between_c_and_openblas(monkeypatch, flags, core, want):
+@pytest.mark.parametrize("mkl", [False, True])
+def test_the_choice_between_c_and_openblas(monkeypatch, flags, core, want, mkl):
     """Left to itself (LARGE_PRODUCTS_IN_C None) the executor takes the C kernel where the CPU
-    has AVX-512 and NumPy's OpenBLAS does not run its AVX-512 kernels; True or False force it."""
+    has AVX-512, NumPy's OpenBLAS does not run its AVX-512 kernels and the products are not
+    oneMKL's; True or False force it."""
     monkeypatch.setattr(native.products, "LARGE_PRODUCTS_IN_C", None)
+    monkeypatch.setattr(native.products, "mkl_products", lambda: mkl)
     monkeypatch.setattr(native.products, "cpu_flags", lambda: flags)
     monkeypatch.setattr(native.products, "blas_core", lambda: core)
     native.products._c_beats_blas.cache_clear()
     try:
-        assert native.products.large_products_in_c() is want
+        assert native.products.large_products_in_c() is (want and not mkl)
         for forced in (True, False):
             monkeypatch.setattr(native.products, "LARGE_PRODUCTS_IN_C", forced)
             assert native.products.large_products_in_c() is forced

@@ -19,12 +19,13 @@ Where things live:
   CPU; verified before every load); `library()`, `available()`, `NativeUnavailable`.
 - team.py: the team's piece tables, `team_closure` (the one way a closure runs on n threads),
   `split_calls` (a row kernel cut into C calls on the team), NumPy's own cblas_sgemm.
+- mkl.py: finding and loading oneMKL's cblas_sgemm (the large products on Intel CPUs).
 - table.py: the kernel table `KERNELS` and `native_kernel` (registers a C build over the numpy
   kernel of an op).
 - kernel families: kernels.py (exp, GELU, softmax, layer norm, cross entropy, the embedding
   gradient, dropout, AdamW), attention.py
   (causal attention whole in C, a decode step's cached attention), products.py (products of
-  few rows and large products in C, BLAS products cut over the team).
+  few rows and large products in C, oneMKL's and OpenBLAS's products cut over the team).
 - program.py: `NativeProgram` and `NativeExecutor`.
 
 Rounding. Dropout, AdamW, the embedding gradient and the attention gradient's ds step compute exactly what the numpy

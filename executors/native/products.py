@@ -15,8 +15,15 @@ each element is again one chain of fused multiply-adds over k in order, so its b
 depend on the cut or the thread. With AVX-512 it keeps up with OpenBLAS's AVX-512 kernels and
 passes its AVX2 ones (docs/performance.md), so it is used where the C code is compiled for
 AVX-512 and NumPy's OpenBLAS runs other kernels (an older OpenBLAS, or OPENBLAS_CORETYPE set, as
-on some of this project's machines; `large_products_in_c`); elsewhere NumPy's BLAS runs them
-(the cuts below, on the team). `LARGE_PRODUCTS_IN_C` True or False forces the choice.
+on some of this project's machines; `large_products_in_c`) and oneMKL does not run them;
+elsewhere a BLAS runs them (the cuts below, on the team). `LARGE_PRODUCTS_IN_C` True or False
+forces the choice.
+
+oneMKL products. On an Intel CPU where the `mkl` wheel is installed, the large products are
+oneMKL's cblas_sgemm calls (mkl.py: 12-22 % faster than NumPy's OpenBLAS on TinyLM's shapes),
+whole on one thread and cut over the team on n, each cut used only where its pieces give the
+whole call's bits; they round their own way (not np.matmul's bits). `GRAPHLM_BLAS=openblas`
+(or `mkl`) overrides the choice; `MKL_PRODUCTS` True or False forces it (tests).
 
 Panel products. A Generator's products on this executor read B in column panels, the bias
 added at the store (graphlm.ops.panel_matmul, gl_matmul_panels): the small kernel's NN chains
@@ -25,15 +32,17 @@ at any row count, B read straight through memory.
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
 
 from graphlm.passes.panel_weights import PANEL_WIDTH   # (the panels gl_matmul_panels takes)
 
 from ..numpy.matmul import matmul_closure, matmul_parts, matmul_sum_closure, probe_like, same_bits, strided_empty
-from ..numpy.pool import blas_core
+from ..numpy.pool import MIN_SPLIT_FLOPS, blas_core
 from ..numpy.tiling import even_cuts
-from .build import cpu_flags, library
+from .build import cpu_flags, cpu_vendor, library
+from .mkl import mkl_sgemm
 from .table import native_kernel
 from .team import TEAM_MIN_FLOPS, blas_sgemm, call_tables, entry_offsets, ptr, team_closure, team_table, team_words
 
@@ -129,9 +138,11 @@ def _c_beats_blas() -> bool:
 
 def large_products_in_c() -> bool:
     """Whether the large products run in C: `LARGE_PRODUCTS_IN_C` where set, else where the
-    library is compiled for AVX-512 and NumPy's OpenBLAS does not run its AVX-512 kernels (the
-    module docstring; the same answer for the whole process)."""
-    return _c_beats_blas() if LARGE_PRODUCTS_IN_C is None else bool(LARGE_PRODUCTS_IN_C)
+    library is compiled for AVX-512, NumPy's OpenBLAS does not run its AVX-512 kernels and the
+    products are not oneMKL's (the module docstring; the same answer for the whole process)."""
+    if LARGE_PRODUCTS_IN_C is not None:
+        return bool(LARGE_PRODUCTS_IN_C)
+    return _c_beats_blas() and not mkl_products()
 
 
 def large_product_plan(a, b, out) -> tuple[np.ndarray, np.ndarray] | None:
@@ -350,13 +361,93 @@ def blas_matmul_closure(a, b, out):
     return run
 
 
+# == oneMKL products: the large products on Intel CPUs ===================================================
+
+MKL_PRODUCTS = None   # None: decided by mkl_products(); True / False: forced (True still needs oneMKL)
+BLAS_CHOICES = {"mkl": True, "openblas": False}   # GRAPHLM_BLAS's values
+
+
+@functools.cache
+def _mkl_by_default() -> bool:
+    choice = os.environ.get("GRAPHLM_BLAS", "").strip().lower()
+    if choice and choice not in BLAS_CHOICES:
+        raise ValueError(f"GRAPHLM_BLAS must be one of {', '.join(BLAS_CHOICES)} (or unset), got {choice!r}")
+    if choice == "mkl" and mkl_sgemm() is None:
+        raise ValueError("GRAPHLM_BLAS=mkl, but oneMKL is not installed here (pip install mkl)")
+    if choice:
+        return BLAS_CHOICES[choice]
+    return cpu_vendor() == "GenuineIntel" and mkl_sgemm() is not None
+
+
+def mkl_products() -> bool:
+    """Whether the large float32 products are oneMKL's: `MKL_PRODUCTS` where set, else
+    GRAPHLM_BLAS where set, else on an Intel CPU where oneMKL is installed (the same answer for
+    the whole process)."""
+    if MKL_PRODUCTS is not None:
+        return bool(MKL_PRODUCTS) and mkl_sgemm() is not None
+    return _mkl_by_default()
+
+
+def large_products_by() -> str:
+    """Who runs the large float32 products in this process (benchmarks record it): "C", "oneMKL
+    <version>" or "OpenBLAS <its kernels>"."""
+    if large_products_in_c():
+        return "C"
+    if mkl_products():
+        return "oneMKL " + mkl_sgemm()[1].split("Version ")[-1].split("-")[0]
+    return f"OpenBLAS {blas_core() or '?'}"
+
+
+def _mkl_piece(calls) -> tuple[np.ndarray, np.ndarray]:
+    """(team table of one piece making the cblas_sgemm `calls` on oneMKL, the calls' words)."""
+    return _sgemm_tables([calls], (mkl_sgemm()[0], 3))   # (3: the team's kind for 32-bit integers)
+
+
+def mkl_matmul(a, b, out) -> None:
+    """``a @ b -> out`` as oneMKL's cblas_sgemm calls on the calling thread (NaN where it is not
+    made of them): what a oneMKL product computes whole, for trying its cuts (matmul_parts)."""
+    calls = sgemm_calls(a, b, out)
+    if calls is None:
+        out[...] = np.nan   # (no cut with such a piece is taken: it cannot match the whole)
+        return
+    table, _calls = _mkl_piece(calls)
+    library().gl_team_run(table.ctypes.data, 1)
+
+
+def mkl_matmul_closure(a, b, out):
+    """``a @ b -> out`` by oneMKL where `mkl_products()` and it is made of plain GEMMs
+    (sgemm_calls), else None: whole as one team piece, on n threads the cut matmul_parts finds
+    exact against that whole (none: whole on the calling thread), its pieces on the team."""
+    calls = sgemm_calls(a, b, out) if mkl_products() else None
+    if calls is None:
+        return None
+    table, words = _mkl_piece(calls)
+    team = library().gl_team_run
+
+    def whole():
+        team(table.ctypes.data, 1)
+
+    flops = 2 * out.size * a.shape[-1]
+
+    def tables_for(threads):
+        parts = matmul_parts(a, b, out, threads, mkl_matmul) if flops >= MIN_SPLIT_FLOPS else []
+        cut = [sgemm_calls(*part) for part in parts]
+        return _sgemm_tables(cut, (mkl_sgemm()[0], 3)) if len(cut) > 1 and None not in cut else None
+    run = team_closure(whole, tables_for, whole_piece=tuple(table[0]))
+    run.arrays = (a, b, out, table, words)   # (the tables' addresses point into these)
+    run.mkl_product = True
+    return run
+
+
 def product_closure(a, b, out):
-    """The native ``a @ b -> out``: a small product, a large one, else NumPy's BLAS on the team."""
-    return small_matmul_closure(a, b, out) or large_matmul_closure(a, b, out) or blas_matmul_closure(a, b, out)
+    """The native ``a @ b -> out``: a small product, a large one in C, oneMKL's, else NumPy's BLAS
+    on the team."""
+    return (small_matmul_closure(a, b, out) or large_matmul_closure(a, b, out) or mkl_matmul_closure(a, b, out)
+            or blas_matmul_closure(a, b, out))
 
 
 def _own_rounding(node) -> bool:
-    return node.dtype == np.float32 and (node.shape[-2] <= SMALL_ROWS or large_products_in_c())
+    return node.dtype == np.float32 and (node.shape[-2] <= SMALL_ROWS or large_products_in_c() or mkl_products())
 
 
 @native_kernel("matmul", rounds_own_way=_own_rounding)

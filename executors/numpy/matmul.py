@@ -76,16 +76,16 @@ def operand_pieces(a, b, out_ndim: int, axis: int, start: int, stop: int):
 _checked_cuts: dict[tuple, bool] = {}
 
 
-def _cuts_round_as_whole(a, b, out, axis: int, cuts) -> bool:
-    """pieces_round_as_whole, tried once per distinct product and cut in this process."""
-    key = (out.dtype.str, a.shape, a.strides, b.shape, b.strides, out.shape, out.strides, axis, tuple(cuts))
+def _cuts_round_as_whole(a, b, out, axis: int, cuts, matmul=np.matmul) -> bool:
+    """pieces_round_as_whole, tried once per distinct product, cut and matmul in this process."""
+    key = (out.dtype.str, a.shape, a.strides, b.shape, b.strides, out.shape, out.strides, axis, tuple(cuts), matmul)
     found = _checked_cuts.get(key)
     if found is None:
-        found = _checked_cuts[key] = pieces_round_as_whole(a, b, out, axis, cuts)
+        found = _checked_cuts[key] = pieces_round_as_whole(a, b, out, axis, cuts, matmul)
     return found
 
 
-def matmul_parts(a, b, out, n):
+def matmul_parts(a, b, out, n, matmul=np.matmul):
     """[(a_i, b_i, out_i)]: ``a @ b -> out`` cut into at most n products along out's largest
     batch axis, into blocks of rows (at multiples of one of ROW_QUANTUM_CANDIDATES) or into
     blocks of columns (COLUMN_QUANTUM_CANDIDATES), the best balanced cut first. On a tie a batch
@@ -95,8 +95,9 @@ def matmul_parts(a, b, out, n):
     wide gradient). A cut is used only when its pieces round exactly as the whole product,
     tried once per distinct product on random operands of its shapes (`pieces_round_as_whole`):
     BLAS kernels compute in register tiles and take other paths for small products, so which
-    cuts are exact depends on the BLAS, its kernel and the shape. No exact cut: [] (the product
-    stays whole)."""
+    cuts are exact depends on the BLAS, its kernel and the shape (`matmul`: the function whose
+    pieces and whole are compared, np.matmul or the native executor's oneMKL products). No exact
+    cut: [] (the product stays whole)."""
     if a.ndim < 2 or b.ndim < 2:
         return []
     options = []   # (largest piece / total, prefer, axis of out, cuts)
@@ -117,7 +118,7 @@ def matmul_parts(a, b, out, n):
                 seen.add(tuple(cuts))
                 options.append((max(e - s for s, e in cuts) / length, prefer, axis, cuts))
     for _, _, axis, cuts in sorted(options, key=lambda o: o[:2]):
-        if _cuts_round_as_whole(a, b, out, axis, cuts):
+        if _cuts_round_as_whole(a, b, out, axis, cuts, matmul):
             return [(*operand_pieces(a, b, out.ndim, axis, s, e), cut_along(out, out.ndim, axis, s, e))
                     for s, e in cuts]
     return []
