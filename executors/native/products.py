@@ -371,7 +371,8 @@ BLAS_CHOICES = {"mkl": True, "openblas": False}   # GRAPHLM_BLAS's values
 def _mkl_by_default() -> bool:
     choice = os.environ.get("GRAPHLM_BLAS", "").strip().lower()
     if choice and choice not in BLAS_CHOICES:
-        raise ValueError(f"GRAPHLM_BLAS must be one of {', '.join(BLAS_CHOICES)} (or unset), got {choice!r}")
+        raise ValueError(f"GRAPHLM_BLAS={choice!r} is not one of {', '.join(BLAS_CHOICES)} (unset: oneMKL on an "
+                         "Intel CPU where it is installed)")
     if choice == "mkl" and mkl_sgemm() is None:
         raise ValueError("GRAPHLM_BLAS=mkl, but oneMKL is not installed here (pip install mkl)")
     if choice:

@@ -8,6 +8,7 @@ from graphlm.passes.panel_weights import PANEL_WEIGHTS
 
 from ..numpy import NumpyProgram, get_threads
 from .build import available, library
+from .products import mkl_products
 from .table import KERNELS
 
 
@@ -104,7 +105,8 @@ class NativeProgram(NumpyProgram):
 
 class NativeExecutor:
     """``executors.get("native")``: compile(graph, outputs, poison=False) -> NativeProgram. The C
-    kernels are built on the first compile (NativeUnavailable without a working compiler)."""
+    kernels are built on the first compile (NativeUnavailable without a working compiler), and
+    the products' BLAS is chosen then (a bad GRAPHLM_BLAS fails the compile, before any run)."""
 
     name = "native"
     kernels = KERNELS
@@ -118,4 +120,5 @@ class NativeExecutor:
 
     def compile(self, graph, outputs, poison: bool = False) -> NativeProgram:
         library()
+        mkl_products()
         return NativeProgram(graph, outputs, poison=poison)
