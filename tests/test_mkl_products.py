@@ -176,3 +176,36 @@ def test_a_bad_graphlm_blas_is_a_one_line_error_naming_it(monkeypatch):
     finally:
         monkeypatch.delenv("GRAPHLM_BLAS")
         native.products._mkl_by_default.cache_clear()
+
+
+def test_without_onemkl_the_products_stay_on_openblas_and_asking_for_it_is_an_error(monkeypatch):
+    """A machine where the mkl wheel is missing (or does not load): OpenBLAS, whatever the CPU;
+    GRAPHLM_BLAS=mkl there is a one-line error saying what to install."""
+    monkeypatch.setattr(native.products, "MKL_PRODUCTS", None)
+    monkeypatch.setattr(native.products, "mkl_sgemm", lambda: None)
+    monkeypatch.setattr(native.products, "cpu_vendor", lambda: "GenuineIntel")
+    monkeypatch.delenv("GRAPHLM_BLAS", raising=False)
+    native.products._mkl_by_default.cache_clear()
+    try:
+        assert native.products.mkl_products() is False
+        monkeypatch.setattr(native.products, "MKL_PRODUCTS", True)
+        assert native.products.mkl_products() is False   # (forcing needs it installed)
+        monkeypatch.setattr(native.products, "MKL_PRODUCTS", None)
+        monkeypatch.setenv("GRAPHLM_BLAS", "mkl")
+        native.products._mkl_by_default.cache_clear()
+        with pytest.raises(ValueError, match=r"^GRAPHLM_BLAS=mkl, but oneMKL is not installed here \(pip install mkl\)$"):
+            native.products.mkl_products()
+    finally:
+        monkeypatch.delenv("GRAPHLM_BLAS", raising=False)
+        native.products._mkl_by_default.cache_clear()
+
+
+def test_the_mkl_rt_search_finds_nothing_without_the_distribution(monkeypatch):
+    import importlib.metadata
+
+    from graphlm.executors.native import mkl
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+    monkeypatch.setattr(importlib.metadata, "files", missing)
+    assert mkl.mkl_rt_paths() == []
