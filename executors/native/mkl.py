@@ -1,13 +1,13 @@
 """oneMKL's cblas_sgemm for the native executor's large float32 products: finding and loading it.
 
-Why: on an Intel CPU, oneMKL's sgemm runs TinyLM's training shapes (k = 192..4096, one thread)
-12-22 % faster than the OpenBLAS NumPy ships (docs/performance.md), and the products are two
-thirds of a training step. The `mkl` wheel (a dependency on x86-64 Linux) installs libmkl_rt;
+Why: on an Intel CPU, oneMKL's sgemm runs TinyLM's training shapes faster than the OpenBLAS
+NumPy ships (docs/performance.md has the figures), and the products are two thirds of a
+training step. The `mkl` wheel (a dependency on x86-64 Linux) installs libmkl_rt;
 it is loaded here privately (RTLD_LOCAL: nothing else in the process, PyTorch's own MKL
 included, sees it), set to its sequential layer first (the C team is the only source of threads) and
 to strict conditional numerical reproducibility for the CPU it runs on (MKL_CBWR_AUTO |
 MKL_CBWR_STRICT: the same bits from run to run whatever the operands' alignment), before any
-other call. `GRAPHLM_BLAS` chooses (products.py, `mkl_products`); nothing else reads this file.
+other call. products.py decides whether the products use it (`mkl_products`, GRAPHLM_BLAS).
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ elsewhere a BLAS runs them (the cuts below, on the team). `LARGE_PRODUCTS_IN_C` 
 forces the choice.
 
 oneMKL products. On an Intel CPU where the `mkl` wheel is installed, the large products are
-oneMKL's cblas_sgemm calls (mkl.py: 12-22 % faster than NumPy's OpenBLAS on TinyLM's shapes),
+oneMKL's cblas_sgemm calls (mkl.py says why),
 whole on one thread and cut over the team on n, each cut used only where its pieces give the
 whole call's bits; they round their own way (not np.matmul's bits). `GRAPHLM_BLAS=openblas`
 (or `mkl`) overrides the choice; `MKL_PRODUCTS` True or False forces it (tests).
@@ -399,9 +399,9 @@ def large_products_by() -> str:
     return f"OpenBLAS {blas_core() or '?'}"
 
 
-def _mkl_piece(calls) -> tuple[np.ndarray, np.ndarray]:
-    """(team table of one piece making the cblas_sgemm `calls` on oneMKL, the calls' words)."""
-    return _sgemm_tables([calls], (mkl_sgemm()[0], 3))   # (3: the team's kind for 32-bit integers)
+def _mkl_tables(calls_per_piece) -> tuple[np.ndarray, np.ndarray]:
+    """_sgemm_tables for oneMKL's cblas_sgemm (the team's kind 3: 32-bit integers)."""
+    return _sgemm_tables(calls_per_piece, (mkl_sgemm()[0], 3))
 
 
 def mkl_matmul(a, b, out) -> None:
@@ -411,7 +411,7 @@ def mkl_matmul(a, b, out) -> None:
     if calls is None:
         out[...] = np.nan   # (no cut with such a piece is taken: it cannot match the whole)
         return
-    table, _calls = _mkl_piece(calls)
+    table, _calls = _mkl_tables([calls])
     library().gl_team_run(table.ctypes.data, 1)
 
 
@@ -422,7 +422,7 @@ def mkl_matmul_closure(a, b, out):
     calls = sgemm_calls(a, b, out) if mkl_products() else None
     if calls is None:
         return None
-    table, words = _mkl_piece(calls)
+    table, words = _mkl_tables([calls])
     team = library().gl_team_run
 
     def whole():
@@ -433,7 +433,7 @@ def mkl_matmul_closure(a, b, out):
     def tables_for(threads):
         parts = matmul_parts(a, b, out, threads, mkl_matmul) if flops >= MIN_SPLIT_FLOPS else []
         cut = [sgemm_calls(*part) for part in parts]
-        return _sgemm_tables(cut, (mkl_sgemm()[0], 3)) if len(cut) > 1 and None not in cut else None
+        return _mkl_tables(cut) if len(cut) > 1 and None not in cut else None
     run = team_closure(whole, tables_for, whole_piece=tuple(table[0]))
     run.arrays = (a, b, out, table, words)   # (the tables' addresses point into these)
     run.mkl_product = True
