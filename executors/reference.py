@@ -360,6 +360,12 @@ def cache_write(node, cache, value, pos):
 
 # -- the executor ---------------------------------------------------------------------------------------
 # -- ops the graph passes produce (graphlm/ops.py, "ops the graph passes produce") ----------------
+@kernel("affine_grads")
+def affine_grads(node, g, x):
+    lead = tuple(range(g.ndim - 1))
+    return np.concatenate([np.sum(g * x, axis=lead), np.sum(g, axis=lead)])
+
+
 @kernel("matmul_sum")
 def matmul_sum(node, a, b):
     pa, sa, pb, sb, shape = matmul_sum_folding(a, b, node.attrs["axes"])

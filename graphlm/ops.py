@@ -1717,6 +1717,26 @@ register("gelu_backward_sigmoid", _infer_gelu_backward_sigmoid,
          doc="gelu_backward(x, g) of the tanh GELU from its kept sigmoid s", vjp_doc="through its decomposition")
 
 
+# --- affine_grads: the gradients of an affine map's weight and bias in one pass ------------------
+# y = x * w + b with w and b along the last axis (a layer norm's affine): dw = sum(g * x) and
+# db = sum(g) over the leading axes, flat [dw, db] (each part a view). One pass reads g and x once
+# where the pattern reads g twice and writes and reads g * x; each sum rounds as the `sum` op does
+# (the rows in order, from 0), so the pair is bit for bit the pattern's.
+def _infer_affine_grads(inputs, attrs):
+    g, x = inputs
+    _require_float(g, "g")
+    if g.shape != x.shape or g.ndim < 2:
+        raise ShapeError(f"expects g and x of one shape with at least 2 axes, got {fmt_shape(g.shape)} "
+                         f"and {fmt_shape(x.shape)}")
+    return (2 * g.shape[-1],), _same_dtype(inputs)
+
+
+register("affine_grads", _infer_affine_grads,
+         decompose=lambda g, x: concat([sum(g * x, _lead_axes(x)), sum(g, _lead_axes(x))], 0),
+         doc="[sum(g*x), sum(g)] over the leading axes, flat: an affine map's weight and bias gradients "
+             "(each sum the rows in order, as `sum`)", vjp_doc="through its decomposition")
+
+
 # --- layer_norm_keep / layer_norm_backward_kept: a layer norm keeps xc and sqrt(var + eps) --------
 def layer_norm_keep_layout(shape, keep_xhat: bool) -> list[tuple[str, int, int, tuple[int, ...]]]:
     """The parts of layer_norm_keep's flat output, in order: (name, start, stop, shape) of y,

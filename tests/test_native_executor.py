@@ -193,7 +193,27 @@ def test_layer_norm_forward_and_backward(small_pieces, affine, threads):
     _threads(threads)
     prog, got, _, want = run_all(g, outputs, feeds, state)
     assert {"layer_norm_keep", "layer_norm_backward_kept"} <= prog.native_ops()
+    assert ("affine_grads" in prog.native_ops()) == all(affine)   # the weight's and bias's sums in one pass
     close32(got, want, "layer norm", rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.threads
+@pytest.mark.parametrize("threads", [1, 3])
+def test_affine_grads_in_c_give_the_sums_bits(small_pieces, threads):
+    """sum(g * x) and sum(g) over the rows, fused by the native pipeline into one C pass
+    (gl_affine_grads, its columns cut over threads), give the reference's bits, -0.0 included."""
+    rng = np.random.default_rng(12)
+    g = gl.Graph("affine")
+    u, v = g.input("u", (3, 7, 45), np.float32), g.input("v", (3, 7, 45), np.float32)
+    outputs = [gl.sum(u * v, axis=(0, 1)), gl.sum(u, axis=(0, 1))]
+    feeds = {"u": rng.standard_normal((3, 7, 45)).astype(np.float32),
+             "v": rng.standard_normal((3, 7, 45)).astype(np.float32)}
+    feeds["u"][:, :, 2] = -0.0   # a column of -0 only: the sums start from +0, so +0
+    _threads(threads)
+    prog, got, mid, want = run_all(g, outputs, feeds)
+    assert "affine_grads" in prog.native_ops()
+    for a, m, r in zip(got, mid, want):
+        assert a.tobytes() == m.tobytes() == r.tobytes()
 
 
 def test_unpaired_layer_norm_backward_and_plain_gelu_backward():

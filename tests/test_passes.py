@@ -8,6 +8,7 @@ import pytest
 import graphlm as gl
 from graphlm import executors, passes
 from graphlm.ir import GraphError
+from graphlm.passes.affine_grads import AFFINE_GRADS
 from graphlm.passes.attention_softmax import ATTENTION_SOFTMAX
 from graphlm.passes.dropout_masks import DROPOUT_MASKS
 from graphlm.passes.kept_values import KEPT_VALUES
@@ -182,6 +183,43 @@ def test_a_layer_norm_keeps_its_statistics_as_tensors(dtype):
         assert a.tobytes() == b_.tobytes()
     prog = executors.get("numpy").compile(g, [y, gx, gw, gb])
     assert {prog.plan.entries[t.id].kind for t in (xc, sv)} == {"view"}   # parts of layer_norm_keep's buffer
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_affine_grads_is_a_layer_norms_weight_and_bias_gradient_in_one_node_bit_for_bit(dtype):
+    g = gl.Graph("ln_affine")
+    x = g.input("x", (3, 4, 6), dtype)
+    w, b = g.param("w", (6,), dtype), g.param("b", (6,), dtype)
+    y = gl.layer_norm(x, w, b)
+    loss = gl.sum(y * gl.tanh(y))
+    gx, gw, gb = gl.grad(loss, [x, w, b])
+    rng = np.random.default_rng(7)
+    feeds = {"x": rng.standard_normal((3, 4, 6)).astype(dtype)}
+    state = {"w": rng.standard_normal(6).astype(dtype), "b": rng.standard_normal(6).astype(dtype)}
+    rw, got, want = both(g, [gx, gw, gb], AFFINE_GRADS, feeds, state)
+    (fused,) = [n for n in rw.graph.nodes if n.op == "affine_grads"]
+    assert fused.shape == (12,) and rw.made_by(fused) == "affine_grads"
+    assert "sum" not in ops_of(rw.graph)   # both sums (the loss is not an output)
+    assert [o.op for o in rw.outputs[1:]] == ["slice", "slice"] and all(o.inputs[0] is fused for o in rw.outputs[1:])
+    for a, b_ in zip(got, want):
+        assert a.tobytes() == b_.tobytes()
+    # the map: the weight's sum and the product it absorbed point at the first half, the bias's sum at the second
+    wsum = next(n for n in g.nodes if n.op == "sum" and n.inputs[0].op == "mul" and n.shape == (6,))
+    assert rw.replaced[wsum.id] is rw.replaced[wsum.inputs[0].id] is rw.outputs[1]
+    assert rw.replaced[gb.id] is rw.outputs[2]
+
+
+def test_affine_grads_leaves_a_product_with_another_use_or_a_sum_without_its_bias():
+    g = gl.Graph("affine2")
+    u, v = g.input("u", (4, 5)), g.input("v", (4, 5))
+    p = u * v
+    assert "affine_grads" not in ops_of(passes.rewrite(g, [gl.sum(p, axis=0), gl.sum(u, axis=0), p], AFFINE_GRADS).graph)
+    assert "affine_grads" not in ops_of(passes.rewrite(g, [gl.sum(u * v, axis=0)], AFFINE_GRADS).graph)
+    kept = [gl.sum(u * v, axis=0, keepdims=True), gl.sum(u, axis=0, keepdims=True)]
+    assert "affine_grads" not in ops_of(passes.rewrite(g, kept, AFFINE_GRADS).graph)
+    rw = passes.rewrite(g, [gl.sum(u * v, axis=0), gl.sum(v, axis=0)], AFFINE_GRADS)   # the bias of either factor
+    (fused,) = [n for n in rw.graph.nodes if n.op == "affine_grads"]
+    assert fused.inputs[0].name == "v"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -449,7 +487,8 @@ def test_executors_declare_their_pipeline():
     assert passes.PIPELINES["numpy"] == (MATMUL_SUM, SLICE_GRADIENTS, ATTENTION_SOFTMAX, DROPOUT_MASKS, KEPT_VALUES)
     from graphlm.passes.kept_values import KEPT_STATISTICS
     assert executors.get("native").pipeline == "native"
-    assert passes.PIPELINES["native"] == (MATMUL_SUM, SLICE_GRADIENTS, ATTENTION_SOFTMAX, DROPOUT_MASKS, KEPT_STATISTICS)
+    assert passes.PIPELINES["native"] == (MATMUL_SUM, SLICE_GRADIENTS, ATTENTION_SOFTMAX, DROPOUT_MASKS, KEPT_STATISTICS,
+                                          AFFINE_GRADS)
     assert [r.name for r in KEPT_STATISTICS.rules] == [r.name for r in KEPT_VALUES.rules if "GELU" not in r.name]
 
 

@@ -106,6 +106,25 @@ void gl_sum_rows(const float *x, float *out, int64_t groups, int64_t rows, int64
     }
 }
 
+/* columns [j0, j1) of an affine map's weight and bias gradients over the rows of g and x [R, C]
+ * (contiguous): out[j] = sum_i g[i][j] * x[i][j] and out[C + j] = sum_i g[i][j], each rounded as
+ * gl_sum_rows sums (from 0, the rows in order; each product rounded first), in one pass. */
+void gl_affine_grads(const float *restrict g, const float *restrict x, float *restrict out, int64_t rows,
+                     int64_t cols, int64_t j0, int64_t j1) {
+    float *restrict ow = out, *restrict ob = out + cols;
+    for (int64_t b0 = j0; b0 < j1; b0 += SUM_BLOCK) {
+        int64_t b1 = j1 - b0 < SUM_BLOCK ? j1 : b0 + SUM_BLOCK;
+        for (int64_t j = b0; j < b1; j++) ow[j] = ob[j] = 0.0f;
+        for (int64_t i = 0; i < rows; i++) {
+            const float *gr = g + i * cols, *xr = x + i * cols;
+            for (int64_t j = b0; j < b1; j++) {
+                ow[j] += gr[j] * xr[j];
+                ob[j] += gr[j];
+            }
+        }
+    }
+}
+
 /* rows [r0, r1) of dst = src (+ 0.0f where plus_zero: -0 becomes +0, as NumPy's copy by adding
  * zero), dst contiguous [n0, n1, n2, n3], src the same shape at element strides s0, s1, s2 with
  * rows of n3 contiguous floats; row r is (r / (n1 n2), (r / n2) % n1, r % n2). */

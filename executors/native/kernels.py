@@ -158,6 +158,18 @@ def _sum(node, out, ins, scratch):
                        cols, groups * rows, (x, out))
 
 
+@native_kernel("affine_grads")
+def _affine_grads(node, out, ins, scratch):
+    """An affine map's weight and bias gradients [sum(g*x), sum(g)] over the rows, in one pass."""
+    g, x = ins
+    if node.dtype != np.float32 or g.size == 0 or not native_arrays(g, x, out):
+        return None
+    cols = g.shape[-1]
+    fn = library().gl_affine_grads
+    return split_calls(lambda lo, hi: functools.partial(fn, ptr(g), ptr(x), ptr(out), g.size // cols, cols, lo, hi),
+                       cols, g.size // cols, (g, x, out))
+
+
 def _rows_layout(x) -> tuple[int, ...] | None:
     """(n1, n2, n3, s0, s1, s2, rows): float32 `x` as at most four axes [n0, n1, n2, n3] at
     element strides s0, s1, s2 whose last holds n3 contiguous floats (size-1 axes dropped,

@@ -6,6 +6,7 @@ from typing import Sequence
 
 from graphlm.ir import Graph, Tensor
 
+from .affine_grads import AFFINE_GRADS
 from .attention_softmax import ATTENTION_SOFTMAX
 from .dropout_masks import DROPOUT_MASKS
 from .kept_values import KEPT_STATISTICS, KEPT_VALUES
@@ -18,7 +19,8 @@ _PLANNED = (MATMUL_SUM, SLICE_GRADIENTS, ATTENTION_SOFTMAX, DROPOUT_MASKS)   # b
 PIPELINES: dict[str, tuple[Pass, ...]] = {
     "none": (),
     "numpy": _PLANNED + (KEPT_VALUES,),
-    "native": _PLANNED + (KEPT_STATISTICS,),   # kept_values without the GELU's sigmoid (kept_values.py says why)
+    # kept_values without the GELU's sigmoid (kept_values.py says why); affine_grads for its C kernel
+    "native": _PLANNED + (KEPT_STATISTICS, AFFINE_GRADS),
 }
 
 
