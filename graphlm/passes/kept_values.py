@@ -24,7 +24,7 @@ graph (its producer, its readers and its lifetime are the memory plan's like any
 from __future__ import annotations
 
 from graphlm import ops
-from graphlm.ops import causal_attention_keep_layout, layer_norm_keep_layout, normalize_index
+from graphlm.ops import causal_attention_keep_layout, layer_norm_keep_layout
 
 from .rewrite import Pass, Rule
 
@@ -56,15 +56,6 @@ def _plain(node) -> bool:
     return node.op == "layer_norm" and not node.attrs.get("has_weight") and not node.attrs.get("has_bias")
 
 
-def _part(ctx, flat, start, stop, shape, kept):
-    """The part [start, stop) of a flat kept buffer as a view of `shape` (a slice, then a reshape
-    unless the part is flat itself)."""
-    index = normalize_index(slice(start, stop), flat.shape)
-    if tuple(shape) == (stop - start,):
-        return ctx.emit("slice", (flat,), index=index, kept=kept)
-    return ctx.emit("reshape", (ctx.emit("slice", (flat,), index=index),), shape=tuple(shape), kept=kept)
-
-
 def _layer_norm(node, ctx):
     x, eps = node.inputs[0], node.attrs["eps"]
     kept = ctx.memo.get(("layer norm", x.id, eps))
@@ -78,7 +69,7 @@ def _layer_norm(node, ctx):
         return None
     keep_xhat = any(_plain(u) for u in users)
     flat = ctx.emit("layer_norm_keep", [ctx.new(i) for i in node.inputs], **node.attrs, keep_xhat=keep_xhat)
-    parts = {name: _part(ctx, flat, a, b, sh, name != "y") for name, a, b, sh in layer_norm_keep_layout(x.shape, keep_xhat)}
+    parts = {name: ctx.emit_part(flat, a, b, sh, name != "y") for name, a, b, sh in layer_norm_keep_layout(x.shape, keep_xhat)}
     ctx.memo[("layer norm", x.id, eps)] = parts
     return parts["y"]
 
@@ -114,7 +105,7 @@ def _attention(node, ctx):
         return None
     flat = ctx.emit("causal_attention_keep", [ctx.new(i) for i in node.inputs], scale=node.attrs["scale"],
                     query_block=query_block)
-    parts = {name: _part(ctx, flat, a, b, sh, name != "y")
+    parts = {name: ctx.emit_part(flat, a, b, sh, name != "y")
              for name, a, b, sh in causal_attention_keep_layout(node.shape, query_block)}
     ctx.memo[("attention", node.id)] = parts, query_block
     return parts["y"]

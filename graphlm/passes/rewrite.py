@@ -23,6 +23,7 @@ import numpy as np
 
 from graphlm.ir import LEAF_OPS, Graph, GraphError, Tensor
 from graphlm.layout import layouts
+from graphlm.ops import normalize_index
 from graphlm.registry import REGISTRY
 
 ANY = "*"   # in Rule.ops: every op but the leaves
@@ -116,6 +117,14 @@ class Context:
         shape, dtype = REGISTRY[op].infer(list(inputs), attrs)
         marks = {"made_by": self.pass_name, **({"kept": True} if kept else {})}
         return self.graph._add(op, tuple(inputs), {**attrs, **marks}, shape, dtype)
+
+    def emit_part(self, flat: Tensor, start: int, stop: int, shape, kept: bool = False) -> Tensor:
+        """The part [start, stop) of a flat buffer (a node whose output packs several values) as
+        a view of `shape`: a slice, then a reshape unless the part is flat itself."""
+        index = normalize_index(slice(start, stop), flat.shape)
+        if tuple(shape) == (stop - start,):
+            return self.emit("slice", (flat,), index=index, kept=kept)
+        return self.emit("reshape", (self.emit("slice", (flat,), index=index),), shape=tuple(shape), kept=kept)
 
     def copy(self, node: Tensor, attrs: dict | None = None) -> Tensor:
         """`node` (a source node, not a leaf) in the new graph on its inputs' new tensors, with
