@@ -215,8 +215,12 @@ def test_affine_grads_leaves_a_product_with_another_use_or_a_sum_without_its_bia
     p = u * v
     assert "affine_grads" not in ops_of(passes.rewrite(g, [gl.sum(p, axis=0), gl.sum(u, axis=0), p], AFFINE_GRADS).graph)
     assert "affine_grads" not in ops_of(passes.rewrite(g, [gl.sum(u * v, axis=0)], AFFINE_GRADS).graph)
-    kept = [gl.sum(u * v, axis=0, keepdims=True), gl.sum(u, axis=0, keepdims=True)]
-    assert "affine_grads" not in ops_of(passes.rewrite(g, kept, AFFINE_GRADS).graph)
+    assert "affine_grads" not in ops_of(passes.rewrite(g, [gl.sum(u * v, axis=1), gl.sum(u, axis=1)], AFFINE_GRADS).graph)
+    rng = np.random.default_rng(8)
+    feeds = {"u": rng.standard_normal((4, 5), np.float32), "v": rng.standard_normal((4, 5), np.float32)}
+    kept, got, want = both(g, [gl.sum(u * v, axis=0, keepdims=True), gl.sum(u, axis=0, keepdims=True)], AFFINE_GRADS, feeds)
+    assert "affine_grads" in ops_of(kept.graph) and [o.shape for o in kept.outputs] == [(1, 5), (1, 5)]
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(got, want))
     rw = passes.rewrite(g, [gl.sum(u * v, axis=0), gl.sum(v, axis=0)], AFFINE_GRADS)   # the bias of either factor
     (fused,) = [n for n in rw.graph.nodes if n.op == "affine_grads"]
     assert fused.inputs[0].name == "v"
