@@ -366,6 +366,11 @@ def affine_grads(node, g, x):
     return np.concatenate([np.sum(g * x, axis=lead), np.sum(g, axis=lead)])
 
 
+@kernel("bias_dropout_add")
+def bias_dropout_add(node, r, m, b, keep):
+    return r + dropout_apply(node, m + b, keep)
+
+
 @kernel("matmul_sum")
 def matmul_sum(node, a, b):
     pa, sa, pb, sb, shape = matmul_sum_folding(a, b, node.attrs["axes"])

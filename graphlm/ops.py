@@ -1695,6 +1695,28 @@ register("dropout_apply", _infer_dropout_apply, decompose=_dropout_apply_decompo
          vjp_doc="dropout_apply(g, keep) (the same mask)")
 
 
+# --- bias_dropout_add: a residual add of a product's output, its bias added, dropped out ----------
+# r + dropout_apply(m + b, keep): a transformer block's residual update after its output
+# projection (m the product, b its bias along the last axis). One pass reads r, m, b and the
+# mask and writes the sum, where the pattern writes and reads back m + b and the dropped value.
+# The three ops' roundings in order, so the pattern's bits.
+def _infer_bias_dropout_add(inputs, attrs):
+    r, m, b, keep = inputs
+    _require_float(r)
+    if m.shape != r.shape or b.shape != r.shape[-1:] or r.ndim < 1:
+        raise ShapeError(f"expects r and m of one shape and b along its last axis, got {fmt_shape(r.shape)}, "
+                         f"{fmt_shape(m.shape)} and {fmt_shape(b.shape)}")
+    _infer_dropout_apply([m, keep], attrs)
+    return r.shape, _same_dtype([r, m, b])
+
+
+register("bias_dropout_add", _infer_bias_dropout_add,
+         decompose=lambda r, m, b, keep, p: add(r, apply("dropout_apply", (add(m, b), keep), p=p)),
+         doc="r + dropout_apply(m + b, keep): a residual add of a product's output m with its bias b "
+             "along the last axis, dropped out (the three ops' roundings in order)",
+         vjp_doc="through its decomposition")
+
+
 # --- gelu_sigmoid / gelu_backward_sigmoid: the tanh GELU keeps its sigmoid for its backward -----
 def _infer_gelu_sigmoid(inputs, attrs):
     (x,) = inputs

@@ -175,6 +175,27 @@ def test_adds_products_sums_and_copies_in_c_give_numpys_bits(small_pieces, threa
 
 
 @pytest.mark.threads
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_residual_update_in_c_gives_the_patterns_bits(small_pieces, threads):
+    """r + dropout(m + b) (m a product's rows, regrouped), fused by the native pipeline into one C
+    pass (gl_bias_dropout_add, its rows cut over threads), gives the numpy executor's and the
+    reference's bits."""
+    rng = np.random.default_rng(13)
+    g = gl.Graph("residual")
+    r, m = g.input("r", (2, 7, 24), np.float32), g.input("m", (14, 24), np.float32)
+    b = g.param("b", (24,), np.float32)
+    key = g.input("key", (), np.int64)
+    outputs = [r + gl.dropout(gl.reshape(m + b, (2, 7, 24)), 0.2, key, stream=4)]
+    feeds = {"r": rng.standard_normal((2, 7, 24)).astype(np.float32),
+             "m": rng.standard_normal((14, 24)).astype(np.float32), "key": np.asarray(11, np.int64)}
+    state = {"b": rng.standard_normal(24).astype(np.float32)}
+    _threads(threads)
+    prog, got, mid, want = run_all(g, outputs, feeds, state)
+    assert "bias_dropout_add" in prog.native_ops()
+    assert got[0].tobytes() == mid[0].tobytes() == want[0].tobytes()
+
+
+@pytest.mark.threads
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("affine", [(True, True), (True, False), (False, True), (False, False)])
 def test_layer_norm_forward_and_backward(small_pieces, affine, threads):

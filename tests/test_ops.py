@@ -614,6 +614,10 @@ CASES = [
     Case("dropout_apply", lambda x, k: apply("dropout_apply", (x, apply("dropout_keep", (k,), p=0.3, stream=0,
                                                                         shape=x.shape)), p=0.3),
          [(F(4, 5), KEY()), (F(2, 3, 4), KEY())], _dropout_ref, _dropout_torch),
+    Case("bias_dropout_add", lambda r, m, b, k: apply("bias_dropout_add", (r, m, b, apply(
+        "dropout_keep", (k,), p=0.3, stream=0, shape=r.shape)), p=0.3),
+         [(F(4, 5), F(4, 5), F(5), KEY()), (F(2, 3, 4), F(2, 3, 4), F(4), KEY())],
+         lambda r, m, b, k: r + _dropout_ref(m + b, k), lambda r, m, b, k: r + _dropout_torch(m + b, k)),
     Case("slice_backward",
          lambda g: apply("slice_backward", (g,), in_shape=(4, 5), index=normalize_index(SLICE_IDX, (4, 5))),
          [(F(2),)], lambda g: np_slice_backward(g, (4, 5), SLICE_IDX), zeros_vjp((4, 5), SLICE_IDX)),

@@ -10,6 +10,7 @@ from graphlm import executors, passes
 from graphlm.ir import GraphError
 from graphlm.passes.affine_grads import AFFINE_GRADS
 from graphlm.passes.attention_softmax import ATTENTION_SOFTMAX
+from graphlm.passes.bias_dropout_add import BIAS_DROPOUT_ADD
 from graphlm.passes.dropout_masks import DROPOUT_MASKS
 from graphlm.passes.kept_values import KEPT_VALUES
 from graphlm.passes.matmul_sum import MATMUL_SUM
@@ -224,6 +225,39 @@ def test_affine_grads_leaves_a_product_with_another_use_or_a_sum_without_its_bia
     rw = passes.rewrite(g, [gl.sum(u * v, axis=0), gl.sum(v, axis=0)], AFFINE_GRADS)   # the bias of either factor
     (fused,) = [n for n in rw.graph.nodes if n.op == "affine_grads"]
     assert fused.inputs[0].name == "v"
+
+
+def test_bias_dropout_add_is_a_residual_update_in_one_node_bit_for_bit():
+    """A block's residual update after its output projection, r + dropout(x @ w + b) with the
+    product's rows regrouped, after dropout_masks: one bias_dropout_add node; its gradients too."""
+    g = gl.Graph("residual")
+    r, x = g.input("r", (2, 3, 4)), g.input("x", (6, 5))
+    w, b = g.param("w", (5, 4)), g.param("b", (4,))
+    key = g.input("key", (), "int64")
+    y = r + gl.dropout(gl.reshape(x @ w + b, (2, 3, 4)), 0.25, key, stream=1)
+    loss = gl.sum(y * y)
+    outputs = [y] + gl.grad(loss, [r, w, b])
+    masked = passes.rewrite(g, outputs, DROPOUT_MASKS)
+    rw = passes.rewrite(masked.graph, masked.outputs, BIAS_DROPOUT_ADD)
+    (fused,) = [n for n in rw.graph.nodes if n.op == "bias_dropout_add"]
+    assert rw.outputs[0] is fused and fused.inputs[0].name == "r" and fused.inputs[2].name == "b"
+    assert [n.op for n in rw.graph.nodes].count("dropout_apply") == 1   # the backward's, the same mask
+    rng = np.random.default_rng(9)
+    feeds = {"r": rng.standard_normal((2, 3, 4), np.float32), "x": rng.standard_normal((6, 5), np.float32),
+             "key": np.asarray(3, np.int64)}
+    state = {"w": rng.standard_normal((5, 4), np.float32), "b": rng.standard_normal(4, np.float32)}
+    got = REF.compile(rw.graph, rw.outputs).run(feeds, state)
+    want = REF.compile(g, outputs).run(feeds, state)
+    assert all(a.tobytes() == b_.tobytes() for a, b_ in zip(got, want))
+    # left alone: the biased product read elsewhere too, and float64 (the C kernel's float32 only)
+    h = x @ w + b
+    kept = passes.rewrite(g, [r + gl.dropout(gl.reshape(h, (2, 3, 4)), 0.25, key, stream=1), h], DROPOUT_MASKS)
+    assert "bias_dropout_add" not in ops_of(passes.rewrite(kept.graph, kept.outputs, BIAS_DROPOUT_ADD).graph)
+    g64 = gl.Graph("residual64")
+    r64, m64, b64 = g64.input("r", (3, 4), "float64"), g64.input("m", (3, 4), "float64"), g64.input("b", (4,), "float64")
+    k64 = g64.input("key", (), "int64")
+    d64 = passes.rewrite(g64, [r64 + gl.dropout(m64 + b64, 0.25, k64)], DROPOUT_MASKS)
+    assert "bias_dropout_add" not in ops_of(passes.rewrite(d64.graph, d64.outputs, BIAS_DROPOUT_ADD).graph)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -492,7 +526,7 @@ def test_executors_declare_their_pipeline():
     from graphlm.passes.kept_values import KEPT_STATISTICS
     assert executors.get("native").pipeline == "native"
     assert passes.PIPELINES["native"] == (MATMUL_SUM, SLICE_GRADIENTS, ATTENTION_SOFTMAX, DROPOUT_MASKS, KEPT_STATISTICS,
-                                          AFFINE_GRADS)
+                                          AFFINE_GRADS, BIAS_DROPOUT_ADD)
     assert [r.name for r in KEPT_STATISTICS.rules] == [r.name for r in KEPT_VALUES.rules if "GELU" not in r.name]
 
 

@@ -321,6 +321,18 @@ void gl_dropout_apply(const float *x, const uint8_t *mask, float *out, int64_t n
     for (int64_t i = 0; i < n; i++) out[i] = (x[i] * (float)mask[i]) * scale;
 }
 
+/* rows [r0, r1) of out = r + ((m + b) * keep) * scale, rows of `cols`, b one row for all (a
+ * residual add of a product's output with its bias, dropped out: the three ops' roundings) */
+void gl_bias_dropout_add(const float *r, const float *m, const float *b, const uint8_t *keep, float *out,
+                         int64_t cols, int64_t r0, int64_t r1, float scale) {
+    for (int64_t i = r0; i < r1; i++) {
+        const float *ri = r + i * cols, *mi = m + i * cols;
+        const uint8_t *ki = keep + i * cols;
+        float *oi = out + i * cols;
+        for (int64_t j = 0; j < cols; j++) oi[j] = ri[j] + ((mi[j] + b[j]) * (float)ki[j]) * scale;
+    }
+}
+
 /* ---- AdamW (graphlm.optim), one parameter, in place -------------------------------------- */
 
 /* The numpy kernel's arithmetic in its order, each product and sum rounded on its own:

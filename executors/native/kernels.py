@@ -457,6 +457,19 @@ def _dropout_apply(node, out, ins, scratch):
         out.size, 1, (x, mask, out))
 
 
+@native_kernel("bias_dropout_add")
+def _bias_dropout_add(node, out, ins, scratch):
+    """r + ((m + b) * keep) * scale, b one row broadcast over the rows, in one pass."""
+    r, m, b, keep = ins
+    if (node.dtype != np.float32 or out.ndim == 0 or not native_arrays(r, m, b, out)
+            or keep.dtype != np.bool_ or not keep.flags.c_contiguous):
+        return None
+    lib, scale, cols = library(), float(np.float32(1.0 / (1.0 - node.attrs["p"]))), out.shape[-1]
+    return split_calls(lambda lo, hi: functools.partial(
+        lib.gl_bias_dropout_add, ptr(r), ptr(m), ptr(b), ptr(keep), ptr(out), cols, lo, hi, scale),
+        out.size // cols, cols, (r, m, b, keep, out))
+
+
 @native_kernel("dropout")
 def _dropout(node, out, ins, scratch):
     x, key = ins
