@@ -3,8 +3,8 @@ over the leading axes (a layer norm's: layer_norm's VJP), as the two halves of o
 `affine_grads(g, x)` node, each a view. The pattern writes g * x and reads it back, and reads g
 twice; the fused node reads g and x once. The weight's sum comes first in the VJP's order; the
 bias's sum, met later, becomes the view made then. Each sum rounds as the `sum` op (the rows in
-order, from 0), so the pass changes no bit. In the native pipeline only: its C kernel is what
-makes the one pass cheaper (the numpy executor would compute the same two reductions)."""
+order, from 0), so the pass changes no bit. float32, in the native pipeline only: its C kernel
+is what makes the one pass cheaper (the numpy executor would compute the same two reductions)."""
 from __future__ import annotations
 
 from .rewrite import Pass, Rule
@@ -25,7 +25,7 @@ def _made(node, ctx):
 
 def _affine(node, ctx):
     p = node.inputs[0]
-    if not _over_rows(node) or p.op != "mul" or not ctx.private(p) or p.dtype.kind != "f" \
+    if not _over_rows(node) or p.op != "mul" or not ctx.private(p) or p.dtype.name != "float32" \
             or any(i.shape != p.shape for i in p.inputs):
         return None
     for g, x in (p.inputs, p.inputs[::-1]):
