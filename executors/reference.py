@@ -371,16 +371,6 @@ def bias_dropout_add(node, r, m, b, keep):
     return r + dropout_apply(node, m + b, keep)
 
 
-@kernel("bias_gelu")
-def bias_gelu(node, m, b):
-    return gelu(node, m + b)
-
-
-@kernel("bias_gelu_backward")
-def bias_gelu_backward(node, m, b, g):
-    return gelu_backward(node, m + b, g)
-
-
 @kernel("matmul_sum")
 def matmul_sum(node, a, b):
     pa, sa, pb, sb, shape = matmul_sum_folding(a, b, node.attrs["axes"])

@@ -1717,31 +1717,6 @@ register("bias_dropout_add", _infer_bias_dropout_add,
          vjp_doc="through its decomposition")
 
 
-# --- bias_gelu / bias_gelu_backward: a product's bias added in the GELU that follows it ----------
-# gelu(m + b) and gelu_backward(m + b, g), m a product's output and b its bias along the last axis
-# (a GPT block's MLP): m + b is computed where it is read and never stored, where the pattern
-# writes it and reads it back in the forward and reads it again in the backward. x = m + b
-# rounded first, then the GELU's arithmetic, so the pattern's bits.
-def _infer_bias_gelu(inputs, attrs):
-    m, b = inputs[:2]
-    shape, dtype = _infer_gelu([m], attrs)
-    if b.shape != shape[-1:]:
-        raise ShapeError(f"bias {fmt_shape(b.shape)} does not match the last axis of {fmt_shape(shape)}")
-    for t in inputs[2:]:
-        if t.shape != shape:
-            raise ShapeError(f"cotangent {fmt_shape(t.shape)} does not match input {fmt_shape(shape)}")
-    return shape, _same_dtype(inputs)
-
-
-register("bias_gelu", _infer_bias_gelu, decompose=lambda m, b, approximate: gelu(add(m, b), approximate),
-         doc="gelu(m + b), b along the last axis: a product's bias added in the GELU after it",
-         vjp_doc="through its decomposition")
-register("bias_gelu_backward", _infer_bias_gelu,
-         decompose=lambda m, b, g, approximate: apply("gelu_backward", (add(m, b), g), approximate=approximate),
-         doc="gelu_backward(m + b, g): bias_gelu's input gradient, m + b recomputed",
-         vjp_doc="through its decomposition")
-
-
 # --- gelu_sigmoid / gelu_backward_sigmoid: the tanh GELU keeps its sigmoid for its backward -----
 def _infer_gelu_sigmoid(inputs, attrs):
     (x,) = inputs

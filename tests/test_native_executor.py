@@ -15,7 +15,7 @@ import ctypes
 import numpy as np
 import pytest
 
-from graphlm import executors, passes
+from graphlm import executors
 import graphlm as gl
 from graphlm.executors import native
 from graphlm.executors import numpy as numpy_executor
@@ -172,36 +172,6 @@ def test_adds_products_sums_and_copies_in_c_give_numpys_bits(small_pieces, threa
         assert a.tobytes() == m.tobytes(), f"output {i} differs from the numpy executor's bits"
         if i != len(got) - 1:   # (the gradient goes through exp: the native exp rounds its own way)
             assert a.tobytes() == r.tobytes(), f"output {i} differs from the reference's bits"
-
-
-class Unfused(native.NativeProgram):
-    """The native program without its pipeline's last three fusions (affine_grads, bias_dropout_add,
-    bias_gelu): what they must match bit for bit."""
-    pipeline = passes.PIPELINES["native"][:-3]
-
-
-@pytest.mark.threads
-@pytest.mark.parametrize("threads", [1, 3])
-def test_a_products_bias_added_in_the_gelu_in_c_gives_the_patterns_bits(small_pieces, threads):
-    """gelu(m + b) and its backward, fused by the native pipeline into bias_gelu and
-    bias_gelu_backward (gl_bias_gelu_tanh and its backward, rows cut over threads), give the
-    unfused native program's bits (its C GELU's), and the reference's within float32."""
-    rng = np.random.default_rng(14)
-    g = gl.Graph("mlp")
-    m = g.input("m", (14, 40), np.float32)
-    b = g.param("b", (40,), np.float32)
-    u = g.const(rng.standard_normal((2, 7, 40)).astype(np.float32))
-    y = gl.gelu(gl.reshape(m + b, (2, 7, 40)), approximate="tanh")
-    outputs = [y] + gl.grad(gl.sum(y * u), [m, b])
-    feeds = {"m": (rng.standard_normal((14, 40)) * 3).astype(np.float32)}
-    state = {"b": rng.standard_normal(40).astype(np.float32)}
-    _threads(threads)
-    prog, got, _, want = run_all(g, outputs, feeds, state)
-    assert {"bias_gelu", "bias_gelu_backward"} <= prog.native_ops()
-    unfused = Unfused(g, outputs)
-    assert all(a.tobytes() == c.tobytes() for a, c in zip(got, unfused.run(feeds, state)))
-    assert "bias_gelu" not in unfused.native_ops() and {"gelu", "gelu_backward"} <= unfused.native_ops()
-    close32(got, want, "bias gelu")
 
 
 @pytest.mark.threads
@@ -546,9 +516,8 @@ def test_a_training_steps_row_kernels_run_on_the_team(monkeypatch, small_pieces)
     one = prog.run(feeds, params)
     _threads(2)
     two = prog.run(feeds, params)
-    assert {"gl_bias_gelu_tanh", "gl_bias_gelu_tanh_backward", "gl_layer_norm", "gl_layer_norm_backward",
-            "gl_dropout_draw", "gl_dropout_apply", "gl_bias_dropout_add", "gl_binary_rows", "gl_sum_rows",
-            "gl_affine_grads"} <= {name for name, ok in made}
+    assert {"gl_gelu_tanh", "gl_gelu_tanh_backward", "gl_layer_norm", "gl_layer_norm_backward",
+            "gl_dropout_draw", "gl_dropout_apply", "gl_binary_rows", "gl_sum_rows"} <= {name for name, ok in made}
     assert all(ok for _, ok in made)
     assert all(a.tobytes() == b.tobytes() for a, b in zip(one, two))
 
@@ -579,8 +548,8 @@ def test_gpt_training_step_matches_reference():
     params = {k: v.astype(np.float32) for k, v in params.items()}
     prog, got, _, want = run_all(g, outputs, feeds, params)
     assert not prog.rounds_like_reference
-    assert {"causal_attention_keep", "causal_attention_backward_kept", "bias_gelu", "bias_gelu_backward",
-            "layer_norm_keep", "layer_norm_backward_kept", "affine_grads"} <= prog.native_ops()
+    assert {"causal_attention_keep", "causal_attention_backward_kept", "gelu", "gelu_backward",
+            "layer_norm_keep", "layer_norm_backward_kept"} <= prog.native_ops()
     close32(got, want, "gpt step", rtol=1e-4, atol=1e-5)
     again = prog.run(feeds, params)
     for a, b in zip(got, again):

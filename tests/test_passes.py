@@ -11,7 +11,6 @@ from graphlm.ir import GraphError
 from graphlm.passes.affine_grads import AFFINE_GRADS
 from graphlm.passes.attention_softmax import ATTENTION_SOFTMAX
 from graphlm.passes.bias_dropout_add import BIAS_DROPOUT_ADD
-from graphlm.passes.bias_gelu import BIAS_GELU
 from graphlm.passes.dropout_masks import DROPOUT_MASKS
 from graphlm.passes.kept_values import KEPT_VALUES
 from graphlm.passes.matmul_sum import MATMUL_SUM
@@ -264,30 +263,6 @@ def test_bias_dropout_add_is_a_residual_update_in_one_node_bit_for_bit():
     k64 = g64.input("key", (), "int64")
     d64 = passes.rewrite(g64, [r64 + gl.dropout(m64 + b64, 0.25, k64)], DROPOUT_MASKS)
     assert "bias_dropout_add" not in ops_of(passes.rewrite(d64.graph, d64.outputs, BIAS_DROPOUT_ADD).graph)
-
-
-def test_bias_gelu_adds_a_products_bias_in_the_gelu_and_its_backward_bit_for_bit():
-    """An MLP's gelu(x @ w + b) (rows regrouped) and its backward: bias_gelu and
-    bias_gelu_backward read the product, never m + b; left alone where m + b has another reader."""
-    g = gl.Graph("mlp")
-    x = g.input("x", (6, 5))
-    w, b = g.param("w", (5, 4)), g.param("b", (4,))
-    h = gl.reshape(x @ w + b, (2, 3, 4))
-    y = gl.gelu(h, approximate="tanh")
-    outputs = [y] + gl.grad(gl.sum(y * y), [x, w, b])
-    rng = np.random.default_rng(10)
-    feeds = {"x": rng.standard_normal((6, 5), np.float32)}
-    state = {"w": rng.standard_normal((5, 4), np.float32), "b": rng.standard_normal(4, np.float32)}
-    rw, got, want = both(g, outputs, BIAS_GELU, feeds, state)
-    ops = ops_of(rw.graph)
-    assert ops.count("bias_gelu") == 1 and ops.count("bias_gelu_backward") == 1
-    assert "gelu" not in ops and "gelu_backward" not in ops and rw.outputs[0].op == "bias_gelu"
-    fwd, back = (next(n for n in rw.graph.nodes if n.op == op) for op in ("bias_gelu", "bias_gelu_backward"))
-    assert back.inputs[:2] == fwd.inputs and fwd.inputs[0].inputs[0].op == "matmul"   # the product, regrouped
-    assert all(a.tobytes() == b_.tobytes() for a, b_ in zip(got, want))
-    assert "bias_gelu" not in ops_of(passes.rewrite(g, [y, h], BIAS_GELU).graph)   # m + b an output too
-    erf = gl.gelu(gl.reshape(x @ w + b, (2, 3, 4)), approximate="none")
-    assert "bias_gelu" not in ops_of(passes.rewrite(g, [erf], BIAS_GELU).graph)    # the C kernel's tanh only
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -556,7 +531,7 @@ def test_executors_declare_their_pipeline():
     from graphlm.passes.kept_values import KEPT_STATISTICS
     assert executors.get("native").pipeline == "native"
     assert passes.PIPELINES["native"] == (MATMUL_SUM, SLICE_GRADIENTS, ATTENTION_SOFTMAX, DROPOUT_MASKS, KEPT_STATISTICS,
-                                          AFFINE_GRADS, BIAS_DROPOUT_ADD, BIAS_GELU)
+                                          AFFINE_GRADS, BIAS_DROPOUT_ADD)
     assert [r.name for r in KEPT_STATISTICS.rules] == [r.name for r in KEPT_VALUES.rules if "GELU" not in r.name]
 
 

@@ -10,65 +10,48 @@ void gl_exp(const float *x, float *y, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] = exp_f32(x[i]);
 }
 
-/* The tanh GELU's two formulas, each in one place (graphlm.ops' GELU note): its sigmoid
- * s = 1/(exp((x*x*a + b)*x) + 1), y = x*s, and its input gradient g*((1 - s)*s*x*(x*x*da + db) + s). */
-static inline float gelu_sigmoid_of(float x, float a, float b) {
-    return 1.0f / (exp_f32((x * x * a + b) * x) + 1.0f);
-}
-
-static inline float gelu_grad_of(float x, float g, float s, float da, float db) {
-    return g * ((1.0f - s) * s * x * (x * x * da + db) + s);
-}
-
-/* tanh GELU: y = x*s; s kept when `keep` is not NULL, for the backward. */
+/* tanh GELU: s = 1 / (exp((x*x*a + b)*x) + 1), y = x*s (graphlm.ops' GELU note); s kept when
+ * `keep` is not NULL, for the backward. */
 void gl_gelu_tanh(const float *x, float *y, float *keep, int64_t n, float a, float b) {
     if (keep) {
         for (int64_t i = 0; i < n; i++) {
             float xi = x[i];
-            float s = gelu_sigmoid_of(xi, a, b);
+            float s = 1.0f / (exp_f32((xi * xi * a + b) * xi) + 1.0f);
             keep[i] = s;
             y[i] = xi * s;
         }
     } else {
-        for (int64_t i = 0; i < n; i++) y[i] = x[i] * gelu_sigmoid_of(x[i], a, b);   /* x*s, not x/(e + 1) */
-    }
-}
-
-/* rows [r0, r1) of y = gelu(m + bias) as gl_gelu_tanh computes it (x = m + bias rounded first),
- * rows of `cols`, bias one row for all: a product's bias added in the GELU that follows it */
-void gl_bias_gelu_tanh(const float *m, const float *bias, float *y, int64_t cols, int64_t r0, int64_t r1,
-                       float a, float b) {
-    for (int64_t i = r0; i < r1; i++)
-        for (int64_t j = 0; j < cols; j++) {
-            float xi = m[i * cols + j] + bias[j];
-            y[i * cols + j] = xi * gelu_sigmoid_of(xi, a, b);
+        for (int64_t i = 0; i < n; i++) {
+            float xi = x[i];
+            y[i] = xi * (1.0f / (exp_f32((xi * xi * a + b) * xi) + 1.0f));   /* x*s, not x/(e + 1) */
         }
+    }
 }
 
 /* The tanh GELU's sigmoid alone: s = 1/(exp((x*x*a + b)*x) + 1), as gl_gelu_tanh keeps it. */
 void gl_gelu_tanh_sigmoid(const float *x, float *s, int64_t n, float a, float b) {
-    for (int64_t i = 0; i < n; i++) s[i] = gelu_sigmoid_of(x[i], a, b);
+    for (int64_t i = 0; i < n; i++) {
+        float xi = x[i];
+        s[i] = 1.0f / (exp_f32((xi * xi * a + b) * xi) + 1.0f);
+    }
 }
 
 /* tanh GELU's input gradient: out = g*(s + (1 - s)*s*x*(x*x*da + db)), from the forward's
  * kept s, or with s recomputed (constants a, b) when `kept` is NULL. */
 void gl_gelu_tanh_backward(const float *x, const float *g, const float *kept, float *out, int64_t n,
                            float a, float b, float da, float db) {
-    if (kept)
-        for (int64_t i = 0; i < n; i++) out[i] = gelu_grad_of(x[i], g[i], kept[i], da, db);
-    else
-        for (int64_t i = 0; i < n; i++) out[i] = gelu_grad_of(x[i], g[i], gelu_sigmoid_of(x[i], a, b), da, db);
-}
-
-/* rows [r0, r1) of gl_gelu_tanh_backward's out (s recomputed) at x = m + bias (rounded first), rows
- * of `cols`, bias one row for all: gl_bias_gelu_tanh's gradient, x never stored */
-void gl_bias_gelu_tanh_backward(const float *m, const float *bias, const float *g, float *out, int64_t cols,
-                                int64_t r0, int64_t r1, float a, float b, float da, float db) {
-    for (int64_t i = r0; i < r1; i++)
-        for (int64_t j = 0; j < cols; j++) {
-            float xi = m[i * cols + j] + bias[j];
-            out[i * cols + j] = gelu_grad_of(xi, g[i * cols + j], gelu_sigmoid_of(xi, a, b), da, db);
+    if (kept) {
+        for (int64_t i = 0; i < n; i++) {
+            float xi = x[i], s = kept[i];
+            out[i] = g[i] * ((1.0f - s) * s * xi * (xi * xi * da + db) + s);
         }
+    } else {
+        for (int64_t i = 0; i < n; i++) {
+            float xi = x[i];
+            float s = 1.0f / (exp_f32((xi * xi * a + b) * xi) + 1.0f);
+            out[i] = g[i] * ((1.0f - s) * s * xi * (xi * xi * da + db) + s);
+        }
+    }
 }
 
 /* Softmax of each row of `cols` floats: y = exp(x - rowmax) / rowsum (y may be x). */

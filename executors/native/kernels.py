@@ -71,31 +71,6 @@ def _gelu(node, out, ins, scratch):
     return _gelu_closure(node, x, out, None)
 
 
-def _bias_rows_closure(fn, m, b, arrays, *args):
-    """``fn(m, b, *arrays, cols, r0, r1, *args)`` over the rows of m (b one row for all), cut over threads."""
-    cols = m.shape[-1]
-    return split_calls(lambda lo, hi: functools.partial(fn, ptr(m), ptr(b), *map(ptr, arrays), cols, lo, hi, *args),
-                       m.size // cols, cols, (m, b, *arrays))
-
-
-@native_kernel("bias_gelu", rounds_own_way=lambda node: node.attrs["approximate"] == "tanh")
-def _bias_gelu(node, out, ins, scratch):
-    m, b = ins
-    if node.attrs["approximate"] != "tanh" or node.dtype != np.float32 or out.ndim == 0 \
-            or not native_arrays(m, b, out):
-        return None
-    return _bias_rows_closure(library().gl_bias_gelu_tanh, m, b, (out,), GELU_A, GELU_B)
-
-
-@native_kernel("bias_gelu_backward", rounds_own_way=lambda node: node.attrs["approximate"] == "tanh")
-def _bias_gelu_backward(node, out, ins, scratch):
-    m, b, g = ins
-    if node.attrs["approximate"] != "tanh" or node.dtype != np.float32 or out.ndim == 0 \
-            or not native_arrays(m, b, g, out):
-        return None
-    return _bias_rows_closure(library().gl_bias_gelu_tanh_backward, m, b, (g, out), GELU_A, GELU_B, GELU_DA, GELU_DB)
-
-
 @native_kernel("gelu_sigmoid", rounds_own_way=True)
 def _gelu_sigmoid(node, out, ins, scratch):
     (x,) = ins
