@@ -97,11 +97,13 @@ void gl_sum_rows(const float *x, float *out, int64_t groups, int64_t rows, int64
         float *og = out + g * cols;
         for (int64_t b0 = j0; b0 < j1; b0 += SUM_BLOCK) {
             int64_t b1 = j1 - b0 < SUM_BLOCK ? j1 : b0 + SUM_BLOCK;
-            for (int64_t j = b0; j < b1; j++) og[j] = 0.0f;
+            float acc[SUM_BLOCK];
+            for (int64_t j = 0; j < b1 - b0; j++) acc[j] = 0.0f;
             for (int64_t i = 0; i < rows; i++) {
-                const float *xr = xg + i * cols;
-                for (int64_t j = b0; j < b1; j++) og[j] += xr[j];
+                const float *xr = xg + i * cols + b0;
+                for (int64_t j = 0; j < b1 - b0; j++) acc[j] += xr[j];
             }
+            for (int64_t j = 0; j < b1 - b0; j++) og[b0 + j] = acc[j];
         }
     }
 }
@@ -111,16 +113,20 @@ void gl_sum_rows(const float *x, float *out, int64_t groups, int64_t rows, int64
  * gl_sum_rows sums (from 0, the rows in order; each product rounded first), in one pass. */
 void gl_affine_grads(const float *restrict g, const float *restrict x, float *restrict out, int64_t rows,
                      int64_t cols, int64_t j0, int64_t j1) {
-    float *restrict ow = out, *restrict ob = out + cols;
     for (int64_t b0 = j0; b0 < j1; b0 += SUM_BLOCK) {
         int64_t b1 = j1 - b0 < SUM_BLOCK ? j1 : b0 + SUM_BLOCK;
-        for (int64_t j = b0; j < b1; j++) ow[j] = ob[j] = 0.0f;
+        float ow[SUM_BLOCK], ob[SUM_BLOCK];
+        for (int64_t j = 0; j < b1 - b0; j++) ow[j] = ob[j] = 0.0f;
         for (int64_t i = 0; i < rows; i++) {
-            const float *gr = g + i * cols, *xr = x + i * cols;
-            for (int64_t j = b0; j < b1; j++) {
+            const float *gr = g + i * cols + b0, *xr = x + i * cols + b0;
+            for (int64_t j = 0; j < b1 - b0; j++) {
                 ow[j] += gr[j] * xr[j];
                 ob[j] += gr[j];
             }
+        }
+        for (int64_t j = 0; j < b1 - b0; j++) {
+            out[b0 + j] = ow[j];
+            out[cols + b0 + j] = ob[j];
         }
     }
 }
