@@ -1696,10 +1696,8 @@ register("dropout_apply", _infer_dropout_apply, decompose=_dropout_apply_decompo
 
 
 # --- bias_dropout_add: a residual add of a product's output, its bias added, dropped out ----------
-# r + dropout_apply(m + b, keep): a transformer block's residual update after its output
-# projection (m the product, b its bias along the last axis). One pass reads r, m, b and the
-# mask and writes the sum, where the pattern writes and reads back m + b and the dropped value.
-# The three ops' roundings in order, so the pattern's bits.
+# r + dropout_apply(m + b, keep), b along the last axis: the three ops' roundings in order, so the
+# pattern's bits (made by graphlm/passes/bias_dropout_add.py, which says why).
 def _infer_bias_dropout_add(inputs, attrs):
     r, m, b, keep = inputs
     _require_float(r)
@@ -1739,11 +1737,10 @@ register("gelu_backward_sigmoid", _infer_gelu_backward_sigmoid,
          doc="gelu_backward(x, g) of the tanh GELU from its kept sigmoid s", vjp_doc="through its decomposition")
 
 
-# --- affine_grads: the gradients of an affine map's weight and bias in one pass ------------------
+# --- affine_grads: the gradients of an affine map's weight and bias in one node -----------------
 # y = x * w + b with w and b along the last axis (a layer norm's affine): dw = sum(g * x) and
-# db = sum(g) over the leading axes, flat [dw, db] (each part a view). One pass reads g and x once
-# where the pattern reads g twice and writes and reads g * x; each sum rounds as the `sum` op does
-# (the rows in order, from 0), so the pair is bit for bit the pattern's.
+# db = sum(g) over the leading axes, flat [dw, db] (each part a view); each sum rounds as the `sum`
+# op does, so the pattern's bits (made by graphlm/passes/affine_grads.py, which says why).
 def _infer_affine_grads(inputs, attrs):
     g, x = inputs
     _require_float(g, "g")
