@@ -45,7 +45,7 @@ def operands(rng, shape_x, shape_b, bias_shape=None):
     return x, b, bias
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 9, 12, 15, 16])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 14, 15, 16])
 @pytest.mark.parametrize("k,n", [(192, 576), (768, 192), (17, 33), (1, 31), (64, 32), (40, 300), (5, 1)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_panel_products_have_the_small_products_bits_then_the_bias_adds(m, k, n, with_bias):
