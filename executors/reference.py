@@ -226,14 +226,20 @@ def _attention_gradients(p, q, k, v, o, g, scale):
                      np.matmul(np.swapaxes(p, -1, -2), g)])
 
 
+def _stored(node, x):
+    """`x` ([..., H, T, D] results) as the node stores them: [..., T, H, D] where heads_merged."""
+    return np.swapaxes(x, -3, -2) if node.attrs.get("heads_merged") else x
+
+
 @kernel("causal_attention")
 def causal_attention(node, q, k, v):
-    return np.matmul(_attention_probs(q, k, node.attrs["scale"]), v)
+    return _stored(node, np.matmul(_attention_probs(q, k, node.attrs["scale"]), v))
 
 
 @kernel("causal_attention_backward")
 def causal_attention_backward(node, q, k, v, o, g):
-    return _attention_gradients(_attention_probs(q, k, node.attrs["scale"]), q, k, v, o, g, node.attrs["scale"])
+    return _stored(node, _attention_gradients(_attention_probs(q, k, node.attrs["scale"]), q, k, v, o, g,
+                                              node.attrs["scale"]))
 
 
 @kernel("causal_attention_keep")
@@ -242,7 +248,7 @@ def causal_attention_keep(node, q, k, v):
     e = np.exp(s - np.max(s, axis=-1, keepdims=True))
     l = np.sum(e, axis=-1, keepdims=True)
     blocks = [e[..., r0:r1, :r1].reshape(-1) for r0, r1 in attention_query_blocks(q.shape[-2], node.attrs["query_block"])]
-    return np.concatenate([np.matmul(e / l, v).reshape(-1), *blocks, l.reshape(-1)])
+    return np.concatenate([_stored(node, np.matmul(e / l, v)).reshape(-1), *blocks, l.reshape(-1)])
 
 
 @kernel("causal_attention_backward_kept")
@@ -252,7 +258,7 @@ def causal_attention_backward_kept(node, q, k, v, o, e, l, g):
         rows = p[..., r0:r1, :r1]
         rows[...] = e[at:at + rows.size].reshape(rows.shape)
         at += rows.size
-    return _attention_gradients(p / l, q, k, v, o, g, node.attrs["scale"])
+    return _stored(node, _attention_gradients(p / l, q, k, v, o, g, node.attrs["scale"]))
 
 
 def check_cached_position(node, position, capacity: int) -> int:

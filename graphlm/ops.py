@@ -1072,9 +1072,38 @@ def _infer_attention(inputs, attrs):
     return q.shape, _same_dtype(inputs)
 
 
-def _infer_attention_backward(inputs, attrs):
+# `heads_merged` (an attribute of the four causal attention ops, set by
+# graphlm/passes/merged_heads.py): the node stores its [..., H, T, D] result (each of dq, dk, dv)
+# with the heads' axis after T, [..., T, H, D], the layout a block's output projection reads as
+# [..., T, H * D] (so the heads' merge, and the QKV gradient's assembly, are views). The values
+# are the same; only where they lie changes.
+def heads_merged_shape(shape) -> tuple[int, ...]:
+    """[..., H, T, D] -> [..., T, H, D]: where a `heads_merged` attention stores a result of `shape`."""
+    shape = tuple(shape)
+    return shape[:-3] + (shape[-2], shape[-3], shape[-1])
+
+
+def _heads_merged(x):
+    return swapaxes(x, -3, -2)
+
+
+def _infer_attention_out(inputs, attrs):
     shape, dtype = _infer_attention(inputs, attrs)
-    return (3,) + shape, dtype
+    if not attrs.get("heads_merged"):
+        return shape, dtype
+    if len(shape) < 3:
+        raise ShapeError(f"heads_merged attention needs q [..., H, T, D], got {fmt_shape(shape)}")
+    return heads_merged_shape(shape), dtype
+
+
+def _infer_attention_backward(inputs, attrs):
+    _, dtype = _infer_attention(inputs, attrs)
+    return (3,) + _infer_attention_out(inputs[:3], attrs)[0], dtype
+
+
+def _attention_decompose(q, k, v, scale, heads_merged=False):
+    y = _attention_probs(q, k, scale) @ v
+    return _heads_merged(y) if heads_merged else y
 
 
 def _attention_probs(q, k, scale):
@@ -1089,22 +1118,27 @@ def _attention_backward_from(p, q, k, v, o, g, scale):
     return concat([reshape(d, (1,) + q.shape) for d in grads], axis=0)
 
 
-def _attention_backward_decompose(q, k, v, o, g, scale):
-    return _attention_backward_from(_attention_probs(q, k, scale), q, k, v, o, g, scale)
+def _attention_backward_decompose(q, k, v, o, g, scale, heads_merged=False):
+    grads = _attention_backward_from(_attention_probs(q, k, scale), q, k, v, o, g, scale)
+    return _heads_merged(grads) if heads_merged else grads
 
 
 def _attention_vjp(y, g):
-    q, k, v = y.inputs
-    packed = apply("causal_attention_backward", (q, k, v, y, g), scale=y.attrs["scale"])
+    (q, k, v), scale = y.inputs, y.attrs["scale"]
+    if y.attrs.get("heads_merged"):   # the [..., H, T, D] output and its gradient
+        y, g = _heads_merged(y), _heads_merged(g)
+    packed = apply("causal_attention_backward", (q, k, v, y, g), scale=scale)
     return [packed[0], packed[1], packed[2]]
 
 
-register("causal_attention", _infer_attention, vjp=_attention_vjp,
-         decompose=lambda q, k, v, scale: _attention_probs(q, k, scale) @ v,
-         doc="softmax(causal_mask(q @ k^T * scale)) @ v over the last two axes",
+register("causal_attention", _infer_attention_out, vjp=_attention_vjp,
+         decompose=_attention_decompose,
+         doc="softmax(causal_mask(q @ k^T * scale)) @ v over the last two axes (heads_merged: "
+             "stored [..., T, H, D])",
          vjp_doc="causal_attention_backward(q, k, v, y, g) -> [dq, dk, dv]")
 register("causal_attention_backward", _infer_attention_backward, decompose=_attention_backward_decompose,
-         doc="[dq, dk, dv] of causal_attention, stacked on a new first axis",
+         doc="[dq, dk, dv] of causal_attention, stacked on a new first axis (heads_merged: each "
+             "stored [..., T, H, D])",
          vjp_doc="through its decomposition")
 
 
@@ -1146,15 +1180,17 @@ def attention_score_size(t: int, query_block: int | None = None) -> int:
     return _pysum((r1 - r0) * r1 for r0, r1 in attention_query_blocks(t, query_block))
 
 
-def causal_attention_keep_layout(shape, query_block: int | None = None) -> list[tuple[str, int, int, tuple[int, ...]]]:
+def causal_attention_keep_layout(shape, query_block: int | None = None,
+                                 heads_merged: bool = False) -> list[tuple[str, int, int, tuple[int, ...]]]:
     """The parts of causal_attention_keep's flat output for q of `shape` [..., T, D], in order:
-    (name, start, stop, shape) of y [..., T, D], E (flat, the query blocks one after the other)
-    and l [..., T, 1]."""
+    (name, start, stop, shape) of y [..., T, D] ([..., T, H, D] where `heads_merged`), E (flat,
+    the query blocks one after the other) and l [..., T, 1]."""
     shape = tuple(shape)
     lead, t = shape[:-2], shape[-2]
     m = int(np.prod(lead, dtype=np.int64))
     n, e = m * t * shape[-1], m * attention_score_size(t, query_block)
-    return [("y", 0, n, shape), ("e", n, n + e, (e,)), ("l", n + e, n + e + m * t, lead + (t, 1))]
+    y_shape = heads_merged_shape(shape) if heads_merged else shape
+    return [("y", 0, n, y_shape), ("e", n, n + e, (e,)), ("l", n + e, n + e + m * t, lead + (t, 1))]
 
 
 def _attention_kept_scores(q, k, scale):
@@ -1164,12 +1200,13 @@ def _attention_kept_scores(q, k, scale):
     return e, sum(e, -1, keepdims=True)
 
 
-def _attention_keep_decompose(q, k, v, scale, query_block):
+def _attention_keep_decompose(q, k, v, scale, query_block, heads_merged=False):
     e, l = _attention_kept_scores(q, k, scale)
     lead = (_pyslice(None),) * (q.ndim - 2)
     blocks = [reshape(slice(e, lead + (_pyslice(r0, r1), _pyslice(0, r1))), (-1,))
               for r0, r1 in attention_query_blocks(q.shape[-2], query_block)]
-    return concat([reshape((e / l) @ v, (-1,)), *blocks, reshape(l, (-1,))], 0)
+    y = (e / l) @ v
+    return concat([reshape(_heads_merged(y) if heads_merged else y, (-1,)), *blocks, reshape(l, (-1,))], 0)
 
 
 def _attention_probs_from_kept(e, l, shape, query_block):
@@ -1186,14 +1223,14 @@ def _attention_probs_from_kept(e, l, shape, query_block):
     return (concat(rows, -2) if len(rows) > 1 else rows[0]) / l
 
 
-def _attention_backward_kept_decompose(q, k, v, o, e, l, g, scale, query_block):
-    return _attention_backward_from(_attention_probs_from_kept(e, l, q.shape, query_block),
-                                    q, k, v, o, g, scale)
+def _attention_backward_kept_decompose(q, k, v, o, e, l, g, scale, query_block, heads_merged=False):
+    grads = _attention_backward_from(_attention_probs_from_kept(e, l, q.shape, query_block), q, k, v, o, g, scale)
+    return _heads_merged(grads) if heads_merged else grads
 
 
 def _infer_attention_keep(inputs, attrs):
-    shape, dtype = _infer_attention(inputs, attrs)
-    return (causal_attention_keep_layout(shape, attrs["query_block"])[-1][2],), dtype
+    shape, dtype = _infer_attention_out(inputs, attrs)   # (checks heads_merged's q)
+    return (causal_attention_keep_layout(inputs[0].shape, attrs["query_block"])[-1][2],), dtype
 
 
 def _infer_attention_backward_kept(inputs, attrs):
@@ -1209,11 +1246,13 @@ def _infer_attention_backward_kept(inputs, attrs):
 
 register("causal_attention_keep", _infer_attention_keep, decompose=_attention_keep_decompose,
          doc="causal_attention(q, k, v) with what its backward reads, flat: [y, E = exp(s - rowmax) "
-             "in query blocks, l = rowsum(E)] (causal_attention_keep_layout; each part a view)",
+             "in query blocks, l = rowsum(E)] (causal_attention_keep_layout; each part a view; "
+             "heads_merged: y stored [..., T, H, D])",
          vjp_doc="through its decomposition")
 register("causal_attention_backward_kept", _infer_attention_backward_kept,
          decompose=_attention_backward_kept_decompose,
-         doc="causal_attention_backward(q, k, v, o, g) from the kept E and l (P = E / l): [dq, dk, dv]",
+         doc="causal_attention_backward(q, k, v, o, g) from the kept E and l (P = E / l): [dq, dk, dv] "
+             "(heads_merged: each stored [..., T, H, D])",
          vjp_doc="through its decomposition")
 
 

@@ -358,6 +358,38 @@ def _attention_backward_kept(q, k, v, g, scale=0.6, query_block=2):
                  scale=scale, query_block=query_block)
 
 
+def _merged(x):
+    """[..., H, T, D] -> [..., T, H, D] (NumPy or torch): a heads_merged attention's layout."""
+    return np.swapaxes(x, -3, -2) if isinstance(x, np.ndarray) else x.transpose(-3, -2)
+
+
+def _attention_merged(q, k, v):
+    return apply("causal_attention", (q, k, v), scale=0.6, heads_merged=True)
+
+
+def _attention_backward_merged(q, k, v, g):
+    y = gl.causal_attention(q, k, v, 0.6)
+    return apply("causal_attention_backward", (q, k, v, y, g), scale=0.6, heads_merged=True)
+
+
+def _attention_keep_merged_ref(q, k, v, xp):
+    """causal_attention_keep's flat output with heads_merged: y as [..., T, H, D], then E and l."""
+    flat = _attention_keep_ref(q, k, v, 0.6, 2, xp)
+    n = q.numel() if xp is torch else q.size
+    y = _merged(flat[:n].reshape(q.shape)).reshape(-1)
+    return (np.concatenate if xp is np else torch.cat)([y, flat[n:]])
+
+
+def _attention_backward_kept_merged(q, k, v, g):
+    """causal_attention_backward_kept with heads_merged, on the parts of a heads_merged keep."""
+    flat = apply("causal_attention_keep", (q, k, v), scale=0.6, query_block=2, heads_merged=True)
+    parts = {name: gl.reshape(flat[a:b], shape) for name, a, b, shape in causal_attention_keep_layout(q.shape, 2, True)}
+    o = gl.swapaxes(parts["y"], -3, -2)   # (the [..., H, T, D] view)
+    return apply("causal_attention_backward_kept", (q, k, v, o, parts["e"], parts["l"], g),
+                 scale=0.6, query_block=2, heads_merged=True)
+
+
+ATTENTION_MERGED = [(2, 3, 5, 4), (3, 4, 2)]   # [..., H, T, D]: heads_merged needs the heads' axis
 ATTENTION_KEEP = [(2, 2, 5, 3), (6, 3), (1, 1)]   # query blocks of 2 rows: 2 (uneven), 3 and 1 blocks
 # (E = exp(s - rowmax) has a kink where a row max ties: these inputs have no near tie)
 
@@ -608,6 +640,22 @@ CASES = [
          [(F(*s), F(*s), F(*s), F(*s)) for s in ATTENTION_KEEP],
          lambda q, k, v, g: np_causal_attention_backward(q, k, v, g, 0.6),
          lambda q, k, v, g: t_causal_attention_backward(q, k, v, g, 0.6)),
+    # heads_merged (graphlm/passes/merged_heads.py): the same values, [..., T, H, D]
+    Case("causal_attention_heads_merged", _attention_merged, [(F(*s), F(*s), F(*s)) for s in ATTENTION_MERGED],
+         lambda q, k, v: _merged(np_causal_attention(q, k, v, 0.6)),
+         lambda q, k, v: _merged(t_causal_attention(q, k, v, 0.6))),
+    Case("causal_attention_backward_heads_merged", _attention_backward_merged,
+         [(F(*s), F(*s), F(*s), F(*s)) for s in ATTENTION_MERGED],
+         lambda q, k, v, g: _merged(np_causal_attention_backward(q, k, v, g, 0.6)),
+         lambda q, k, v, g: _merged(t_causal_attention_backward(q, k, v, g, 0.6))),
+    Case("causal_attention_keep_heads_merged",
+         lambda q, k, v: apply("causal_attention_keep", (q, k, v), scale=0.6, query_block=2, heads_merged=True),
+         [(F(*s), F(*s), F(*s)) for s in ATTENTION_MERGED],
+         lambda q, k, v: _attention_keep_merged_ref(q, k, v, np), lambda q, k, v: _attention_keep_merged_ref(q, k, v, torch)),
+    Case("causal_attention_backward_kept_heads_merged", _attention_backward_kept_merged,
+         [(F(*s), F(*s), F(*s), F(*s)) for s in ATTENTION_MERGED],
+         lambda q, k, v, g: _merged(np_causal_attention_backward(q, k, v, g, 0.6)),
+         lambda q, k, v, g: _merged(t_causal_attention_backward(q, k, v, g, 0.6))),
     Case("dropout_keep", lambda k: apply("dropout_keep", (k,), p=0.25, stream=3, shape=(4, 5)),
          [(KEY(),)], lambda k: counter_uniform(int(k), 3, (4, 5)) >= np.float32(0.25),
          lambda k: torch.from_numpy(counter_uniform(int(k), 3, (4, 5)) >= np.float32(0.25)), fd=False, grad=False),

@@ -45,13 +45,17 @@ void gl_softmax_ds_block(float *s, const float *e, const float *dd, int64_t nmat
  *
  * plan (int64 words, built once per node by executors/native/attention.py): t, d, M (matrices of the node),
  * nb (query blocks), the sgemm's address and integer width (2: 64-bit, 3: 32-bit, as
- * team.c's piece kinds), whether the products run in C (plan_product), the row strides (floats) of q, k, v and g, the address of a
- * table of 4 element offsets per matrix (of q, k, v, g), the addresses of the node's arrays
- * (PLAN_ARRAYS words, in the order each kernel names), then the nb + 1 query block bounds.
- * Arrays other than q, k, v and g hold their matrices contiguously, matrix after matrix. Block b
+ * team.c's piece kinds), whether the products run in C (plan_product), the row strides (floats) of
+ * the STRIDED arrays (q, k, v, g, o and dq: 0 where a kernel has none), the address of a table of
+ * STRIDED element offsets per matrix (from the address of each array in the kernel's list; dk and
+ * dv lie M matrices' worth of floats after dq, M * t * d, and dv as far again), the addresses of
+ * the node's arrays (PLAN_ARRAYS words, in the order each kernel names), then the nb + 1 query
+ * block bounds. The other arrays hold their matrices contiguously, matrix after matrix. (Strided
+ * o and dq: a node that stores its results heads_merged, [..., T, H, D], graphlm.ops.) Block b
  * of matrix m of a score buffer (E, ds) is (r1 - r0) x r1 floats at M * (the sizes of the blocks
  * before b) + m * (r1 - r0) * r1 (graphlm.ops.causal_attention_keep_layout). */
-enum { P_T, P_D, P_M, P_NB, P_SGEMM, P_KIND, P_OWN, P_LD, P_OFFSETS = P_LD + 4, P_ARRAYS, PLAN_ARRAYS = 12,
+enum { STRIDED = 6, S_Q = 0, S_K, S_V, S_G, S_O, S_DQ };   /* the strided arrays' slots */
+enum { P_T, P_D, P_M, P_NB, P_SGEMM, P_KIND, P_OWN, P_LD, P_OFFSETS = P_LD + STRIDED, P_ARRAYS, PLAN_ARRAYS = 12,
        P_BOUNDS = P_ARRAYS + PLAN_ARRAYS };
 const int64_t gl_attention_plan_arrays = PLAN_ARRAYS;   /* read by executors/native/attention.py */
 
@@ -116,10 +120,10 @@ void gl_causal_attention(const int64_t *plan, int64_t m0, int64_t m1, float scal
     const int64_t t = plan[P_T], d = plan[P_D], nb = plan[P_NB], *ld = plan + P_LD, *bound = plan + P_BOUNDS;
     const int64_t *offsets = (const int64_t *)(intptr_t)plan[P_OFFSETS];
     for (int64_t m = m0; m < m1; m++) {
-        const int64_t *off = offsets + 4 * m;
-        const float *qm = plan_array(plan, 0) + off[0], *km = plan_array(plan, 1) + off[1];
-        const float *vm = plan_array(plan, 2) + off[2];
-        float *om = plan_array(plan, 3) + m * t * d, *e = plan_array(plan, 4);
+        const int64_t *off = offsets + STRIDED * m, ldo = ld[S_O];
+        const float *qm = plan_array(plan, 0) + off[S_Q], *km = plan_array(plan, 1) + off[S_K];
+        const float *vm = plan_array(plan, 2) + off[S_V];
+        float *om = plan_array(plan, 3) + off[S_O], *e = plan_array(plan, 4);
         float *lm = plan_array(plan, 5) + m * t, *qsm = plan_array(plan, 6) + m * t * d;
         for (int64_t i = 0; i < t; i++)
             for (int64_t j = 0; j < d; j++) qsm[i * d + j] = qm[i * ld[0] + j] * scale;
@@ -129,11 +133,20 @@ void gl_causal_attention(const int64_t *plan, int64_t m0, int64_t m1, float scal
             float *x = score_block(e, plan, b, m);
             plan_product_nt(plan, r1 - r0, r1, d, qsm + r0 * d, d, km, ld[1], kt, x, r1);
             gl_causal_softmax_block(x, lm + r0, 1, r1 - r0, r1, r0, 0);
-            plan_product(plan, 0, r1 - r0, d, r1, x, r1, vm, ld[2], om + r0 * d, d);
+            plan_product(plan, 0, r1 - r0, d, r1, x, r1, vm, ld[2], om + r0 * ldo, ldo);
         }
         for (int64_t i = 0; i < t; i++)
-            for (int64_t j = 0; j < d; j++) om[i * d + j] /= lm[i];
+            for (int64_t j = 0; j < d; j++) om[i * ldo + j] /= lm[i];
     }
+}
+
+/* out [m, n] (rows ldo apart) += a^T @ b (a stored [k, m]): the product into tmp (m x n,
+ * contiguous), then added */
+static void add_product(const int64_t *plan, int64_t m, int64_t n, int64_t k, const float *a, int64_t lda,
+                        const float *b, int64_t ldb, float *tmp, float *out, int64_t ldo) {
+    plan_product(plan, 1, m, n, k, a, lda, b, ldb, tmp, n);
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t j = 0; j < n; j++) out[i * ldo + j] += tmp[i * n + j];
 }
 
 /* Backward from the kept E and l, arrays q, k, v, o, g, E, l, out (dq, dk, dv: the node's
@@ -146,18 +159,18 @@ void gl_causal_attention_backward(const int64_t *plan, int64_t m0, int64_t m1, f
     const int64_t *ld = plan + P_LD, *bound = plan + P_BOUNDS;
     const int64_t *offsets = (const int64_t *)(intptr_t)plan[P_OFFSETS];
     for (int64_t m = m0; m < m1; m++) {
-        const int64_t *off = offsets + 4 * m;
-        const float *qm = plan_array(plan, 0) + off[0], *km = plan_array(plan, 1) + off[1];
-        const float *vm = plan_array(plan, 2) + off[2], *om = plan_array(plan, 3) + m * t * d;
-        const float *gm = plan_array(plan, 4) + off[3], *e = plan_array(plan, 5);
+        const int64_t *off = offsets + STRIDED * m, ldo = ld[S_O], ldd = ld[S_DQ];
+        const float *qm = plan_array(plan, 0) + off[S_Q], *km = plan_array(plan, 1) + off[S_K];
+        const float *vm = plan_array(plan, 2) + off[S_V], *om = plan_array(plan, 3) + off[S_O];
+        const float *gm = plan_array(plan, 4) + off[S_G], *e = plan_array(plan, 5);
         const float *lm = plan_array(plan, 6) + m * t;
-        float *out = plan_array(plan, 7), *ds = plan_array(plan, 8);
-        float *dq = out + m * t * d, *dk = out + (nm + m) * t * d, *dv = out + (2 * nm + m) * t * d;
+        float *ds = plan_array(plan, 8);
+        float *dq = plan_array(plan, 7) + off[S_DQ], *dk = dq + nm * t * d, *dv = dk + nm * t * d;
         float *gs = plan_array(plan, 9) + m * t * d, *tmp = plan_array(plan, 10) + m * t * d;
         float *dd = plan_array(plan, 11) + m * t;
         for (int64_t i = 0; i < t; i++) {
             float acc = 0.0f;
-            for (int64_t j = 0; j < d; j++) acc += gm[i * ld[3] + j] * om[i * d + j];
+            for (int64_t j = 0; j < d; j++) acc += gm[i * ld[3] + j] * om[i * ldo + j];
             dd[i] = acc / lm[i];
             for (int64_t j = 0; j < d; j++) gs[i * d + j] = gm[i * ld[3] + j] / lm[i];
         }
@@ -168,18 +181,21 @@ void gl_causal_attention_backward(const int64_t *plan, int64_t m0, int64_t m1, f
             const float *x = score_block((float *)e, plan, b, m);
             plan_product_nt(plan, r1 - r0, r1, d, gs + r0 * d, d, vm, ld[2], vt, s, r1);
             gl_softmax_ds_block(s, x, dd + r0, 1, r1 - r0, r1, 0);
-            plan_product(plan, 0, r1 - r0, d, r1, s, r1, km, ld[1], dq + r0 * d, d);
-            plan_product(plan, 1, r1, d, r1 - r0, s, r1, qm + r0 * ld[0], ld[0], last ? dk : tmp, d);
-            if (!last)
-                for (int64_t i = 0; i < r1 * d; i++) dk[i] += tmp[i];
-            plan_product(plan, 1, r1, d, r1 - r0, x, r1, gs + r0 * d, d, last ? dv : tmp, d);
-            if (!last)
-                for (int64_t i = 0; i < r1 * d; i++) dv[i] += tmp[i];
+            plan_product(plan, 0, r1 - r0, d, r1, s, r1, km, ld[1], dq + r0 * ldd, ldd);
+            if (last)
+                plan_product(plan, 1, r1, d, r1 - r0, s, r1, qm + r0 * ld[0], ld[0], dk, ldd);
+            else
+                add_product(plan, r1, d, r1 - r0, s, r1, qm + r0 * ld[0], ld[0], tmp, dk, ldd);
+            if (last)
+                plan_product(plan, 1, r1, d, r1 - r0, x, r1, gs + r0 * d, d, dv, ldd);
+            else
+                add_product(plan, r1, d, r1 - r0, x, r1, gs + r0 * d, d, tmp, dv, ldd);
         }
-        for (int64_t i = 0; i < t * d; i++) {
-            dq[i] *= scale;
-            dk[i] *= scale;
-        }
+        for (int64_t i = 0; i < t; i++)
+            for (int64_t j = 0; j < d; j++) {
+                dq[i * ldd + j] *= scale;
+                dk[i * ldd + j] *= scale;
+            }
     }
 }
 

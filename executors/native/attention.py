@@ -16,7 +16,7 @@ import functools
 import numpy as np
 
 from ..numpy.attention import (attention_flops, attention_plan, build_causal_attention, build_causal_attention_backward,
-                               keep_views, softmax_block, softmax_ds_block)
+                               heads_view, keep_views, softmax_block, softmax_ds_block)
 from ..numpy.tiling import even_cuts
 from ..reference import check_cached_position
 from .build import library
@@ -63,27 +63,33 @@ MIN_TEAM_ATTENTION_FLOPS = 1 << 20   # causal attention below this runs whole on
 ATTENTION_PRODUCTS_IN_C = True
 
 
+STRIDED_SLOTS = 6   # attention.c's strided arrays per matrix: q, k, v, g, o (y), dq (dk, dv after it)
+
+
 def _attention_in_c(node, fn, shape, strided, arrays, flops):
     """The closure of `fn` (gl_causal_attention or _backward) over the score matrices of q's
     `shape`, from its plan words (attention.c): `arrays` in the kernel's order, of which
-    `strided` (q, k, v and g: rows of contiguous floats, any matrix strides) are given by their
-    rows' stride and per-matrix offsets, the others contiguous; None where no sgemm is found or
-    an array is not laid out so."""
+    `strided` (q, k, v, g, o and dq, None where the kernel has none: [..., T, D] views whose rows
+    are contiguous floats, any row and matrix strides) are given by their rows' stride and
+    per-matrix offsets (from the address of the array in `arrays`), the others contiguous; None
+    where no sgemm is found or an array is not laid out so."""
     sgemm = blas_sgemm()
     lead, (t, d) = shape[:-2], shape[-2:]
+    strided = list(strided) + [None] * (STRIDED_SLOTS - len(strided))
+    given = [x for x in strided if x is not None]
     rows_ok = lambda x: x.dtype == np.float32 and x.strides[-1] == 4 and x.strides[-2] % 4 == 0
-    whole = [x for x in arrays if not any(x is y for y in strided)]
-    if sgemm is None or not all(rows_ok(x) for x in strided) or not native_arrays(*whole) or 0 in shape:
+    whole = [x for x in arrays if not any(x is y for y in given)]
+    if sgemm is None or not all(rows_ok(x) for x in given) or not native_arrays(*whole) or 0 in shape:
         return None
-    offsets = [entry_offsets(x, lead) for x in strided]
+    offsets = [np.zeros(int(np.prod(lead, dtype=np.int64)), np.int64) if x is None else entry_offsets(x, lead)
+               for x in strided]
     if any(o is None for o in offsets):
         return None
-    pad = 4 - len(strided)   # (4 per matrix, and 4 strides: q, k, v, g)
-    table = np.ascontiguousarray(np.stack(offsets + [np.zeros_like(offsets[0])] * pad, axis=1), np.int64)
+    table = np.ascontiguousarray(np.stack(offsets, axis=1), np.int64)
     blocks, _, scale = attention_plan(node, shape)
     slots = ctypes.c_int64.in_dll(library(), "gl_attention_plan_arrays").value
     plan = np.array([t, d, len(table), len(blocks), *sgemm, int(ATTENTION_PRODUCTS_IN_C),
-                     *(x.strides[-2] // 4 for x in strided), *[0] * pad,
+                     *(0 if x is None else x.strides[-2] // 4 for x in strided),
                      ptr(table), *map(ptr, arrays), *[0] * (slots - len(arrays)),
                      *(r0 for r0, _ in blocks), blocks[-1][1]], np.int64)
     call = lambda m0, m1: functools.partial(fn, ptr(plan), m0, m1, float(scale))
@@ -106,9 +112,9 @@ def _causal_attention(node, out, ins, scratch):
         (qs,), parts = scratch, keep_views(out, node)
         y, e, l = parts["y"], parts["e"], parts["l"]
     else:
-        (qs, e, l), y = scratch, out
-    return (_attention_in_c(node, library().gl_causal_attention, q.shape, [q, k, v], [q, k, v, y, e, l, qs],
-                            attention_flops(q.shape))
+        (qs, e, l), y = scratch, heads_view(out, node)
+    return (_attention_in_c(node, library().gl_causal_attention, q.shape, [q, k, v, None, y],
+                            [q, k, v, y, e, l, qs], attention_flops(q.shape))
             or _with_native_steps(build_causal_attention)(node, out, ins, scratch))
 
 
@@ -119,8 +125,9 @@ def _causal_attention_backward(node, out, ins, scratch):
     if node.op == "causal_attention_backward_kept":
         q, k, v, o, e, l, g = ins
         ds, gs, dd, tmp = scratch
-        run = _attention_in_c(node, library().gl_causal_attention_backward, node.shape[1:], [q, k, v, g],
-                              [q, k, v, o, g, e, l, out, ds, gs, tmp, dd], 2 * attention_flops(node.shape[1:]))
+        run = _attention_in_c(node, library().gl_causal_attention_backward, q.shape,
+                              [q, k, v, g, o, heads_view(out, node)[0]],
+                              [q, k, v, o, g, e, l, out, ds, gs, tmp, dd], 2 * attention_flops(q.shape))
     return run or _with_native_steps(build_causal_attention_backward)(node, out, ins, scratch)
 
 

@@ -147,10 +147,20 @@ def _scores_specs(shape, dtype, query_block=None):
     return [(lead + (attention_score_size(t, query_block),), dtype), (lead + (t, 1), dtype)]
 
 
+def heads_view(x, node):
+    """The [..., H, T, D] view of a result `x` as an attention node stores it (a strided view of
+    the [..., T, H, D] array where heads_merged, graphlm.ops.heads_merged_shape)."""
+    return np.swapaxes(x, -3, -2) if node.attrs.get("heads_merged") else x
+
+
 def keep_views(out, node) -> dict:
-    """The parts y, e (flat) and l of a causal_attention_keep node's flat output, as views."""
-    return {name: out[a:b].reshape(shape) for name, a, b, shape in
-            causal_attention_keep_layout(node.inputs[0].shape, node.attrs["query_block"])}
+    """The parts y ([..., H, T, D], a view), e (flat) and l of a causal_attention_keep node's flat
+    output, as views."""
+    parts = {name: out[a:b].reshape(shape) for name, a, b, shape in
+             causal_attention_keep_layout(node.inputs[0].shape, node.attrs["query_block"],
+                                          node.attrs.get("heads_merged", False))}
+    parts["y"] = heads_view(parts["y"], node)
+    return parts
 
 
 def _attention_scratch(node, pos):
@@ -166,7 +176,7 @@ def build_causal_attention(node, out, ins, scratch, steps=ATTENTION_BLOCK_STEPS)
         (qs,), parts = scratch, keep_views(out, node)
         out, e, l = parts["y"], parts["e"], parts["l"]
     else:
-        qs, e, l = scratch
+        (qs, e, l), out = scratch, heads_view(out, node)
     blocks, above, scale = attention_plan(node, q.shape)
     lead, t = q.shape[:-2], q.shape[-2]
     body = lambda q, k, v, o, l, qs, *e: _attention_scores(q, k, v, o, l, qs, e, scale, blocks, above, steps)
@@ -175,7 +185,7 @@ def build_causal_attention(node, out, ins, scratch, steps=ATTENTION_BLOCK_STEPS)
 
 
 def _attention_backward_scratch(node, pos):
-    shape, dt = node.shape[1:], node.dtype
+    shape, dt = node.inputs[0].shape, node.dtype
     qb = node.attrs.get("query_block")
     own = [_scores_specs(shape, dt, qb)[0], (shape, dt), (shape[:-1] + (1,), dt), (shape, dt)]  # ds, g/l, dd, tmp
     if node.op == "causal_attention_backward":   # without kept scores: E and l recomputed here
@@ -193,7 +203,8 @@ def build_causal_attention_backward(node, out, ins, scratch, steps=ATTENTION_BLO
     else:
         q, k, v, o, g = ins
         ds, gs, dd, tmp, e, l = scratch
-    shape = node.shape[1:]
+    out = heads_view(out, node)
+    shape = out.shape[1:]
     blocks, above, scale = attention_plan(node, shape)
     lead, t = shape[:-2], shape[-2]
     nb = len(blocks)
