@@ -14,6 +14,7 @@ from graphlm.passes.bias_dropout_add import BIAS_DROPOUT_ADD
 from graphlm.passes.dropout_masks import DROPOUT_MASKS
 from graphlm.passes.kept_values import KEPT_VALUES
 from graphlm.passes.matmul_sum import MATMUL_SUM
+from graphlm.passes.merged_heads import MERGED_HEADS
 from graphlm.passes.panel_weights import PANEL_WEIGHTS, panel_params
 from graphlm.passes.slice_gradients import SLICE_GRADIENTS
 from graphlm.passes.transposed_weights import TRANSPOSED_WEIGHTS, transposed_params
@@ -263,6 +264,87 @@ def test_bias_dropout_add_is_a_residual_update_in_one_node_bit_for_bit():
     k64 = g64.input("key", (), "int64")
     d64 = passes.rewrite(g64, [r64 + gl.dropout(m64 + b64, 0.25, k64)], DROPOUT_MASKS)
     assert "bias_dropout_add" not in ops_of(passes.rewrite(d64.graph, d64.outputs, BIAS_DROPOUT_ADD).graph)
+
+
+def _block_attention(dtype="float32", b=2, t=7, h=3, d=4, extra_read=False):
+    """A block's attention as graphlm.nn builds it: one batched QKV product, its thirds split into
+    [B, H, T, D] heads, the output's heads merged for the projection; its gradients."""
+    c = h * d
+    g = gl.Graph("block_attention")
+    x, u = g.input("x", (b * t, c), dtype), g.input("u", (b * t, c), dtype)
+    w, wo = g.param("w", (3, c, c), dtype), g.param("wo", (c, c), dtype)
+    qkv = x @ w
+    q, k, v = (gl.transpose(gl.reshape(qkv[i], (b, t, h, d)), (0, 2, 1, 3)) for i in range(3))
+    y = gl.causal_attention(q, k, v)
+    out = gl.reshape(gl.transpose(y, (0, 2, 1, 3)), (b * t, c)) @ wo
+    loss = gl.sum(out * u) + (gl.sum(y * y) if extra_read else 0.0)
+    rng = np.random.default_rng(11)
+    feeds = {"x": rng.standard_normal((b * t, c)).astype(dtype), "u": rng.standard_normal((b * t, c)).astype(dtype)}
+    state = {"w": (rng.standard_normal((3, c, c)) / 3).astype(dtype), "wo": rng.standard_normal((c, c)).astype(dtype)}
+    return g, [out] + gl.grad(loss, [x, w, wo]), feeds, state
+
+
+def _before_merged_heads(g, outputs):
+    """The graph as the native pipeline hands it to merged_heads (its last pass)."""
+    native = passes.PIPELINES["native"]
+    assert native[-1] is MERGED_HEADS
+    return passes.run_pipeline(native[:-1], g, outputs)
+
+
+@pytest.mark.parametrize("kept", [True, False])
+def test_merged_heads_make_the_heads_merge_and_the_qkv_gradient_views_bit_for_bit(monkeypatch, kept):
+    """After the native pipeline's other passes: the attention (kept scores or not) and its
+    backward store [B, T, H, D]; no transpose of their results is left to copy and the QKV
+    gradient is a reshape of the backward's output; the same bits on the reference executor,
+    and the native executor (its C kernels writing the strided rows) within the attention's
+    tolerance, with every view op a view of the plan."""
+    from graphlm.passes import kept_values
+    monkeypatch.setattr(gl.ops, "ATTENTION_QUERY_BLOCK", 3)
+    monkeypatch.setattr(kept_values, "KEEP_SCORES_PER_OUTPUT", 4 if kept else 0)
+    g, outputs, feeds, state = _block_attention()
+    before = _before_merged_heads(g, outputs)
+    rw = passes.rewrite(before.graph, before.outputs, MERGED_HEADS)
+    forward, backward = ("causal_attention_keep", "causal_attention_backward_kept") if kept else \
+        ("causal_attention", "causal_attention_backward")
+    assert "slices_assemble" in ops_of(before.graph) and "slices_assemble" not in ops_of(rw.graph)
+    (fwd,) = [n for n in rw.graph.nodes if n.op == forward]
+    (back,) = [n for n in rw.graph.nodes if n.op == backward]
+    assert fwd.attrs["heads_merged"] and back.attrs["heads_merged"] and back.shape == (3, 2, 7, 3, 4)
+    assert all(rw.made_by(n) == "merged_heads" for n in (fwd, back))
+    # what reads the attention's results: the projection and the QKV gradient's products through reshapes
+    assert not any(n.op == "transpose" and n.inputs[0].op == "reshape" and n.inputs[0].inputs[0] is back
+                   for n in rw.graph.nodes)
+    got = REF.compile(rw.graph, rw.outputs).run(feeds, state)
+    want = REF.compile(g, outputs).run(feeds, state)
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(got, want))
+    native = executors.get("native").compile(g, outputs)
+    assert any(n.op == backward and n.attrs.get("heads_merged") for n in native.graph.nodes)
+    views = [n for n in native.graph.nodes if n.op in ("reshape", "transpose", "slice")]
+    assert views and all(native.plan.entries[n.id].kind in ("view", "leaf") for n in views)
+    for a, b, what in zip(native.run(feeds, state), want, ["out", "dx", "dw", "dwo"]):
+        assert_close(a, b, 1e-5, 1e-5, f"native {what}")
+    numpy_run = executors.get("numpy").compile(rw.graph, rw.outputs).run(feeds, state)   # its kernels, strided
+    for a, b, what in zip(numpy_run, want, ["out", "dx", "dw", "dwo"]):
+        assert_close(a, b, 1e-5, 1e-5, f"numpy {what}")
+
+
+def test_merged_heads_leave_an_attention_read_otherwise_float64_or_a_foreign_third(monkeypatch):
+    monkeypatch.setattr(gl.ops, "ATTENTION_QUERY_BLOCK", 3)
+    for dtype, extra in (("float64", False), ("float32", True)):   # y also read whole, unmerged: left alone
+        g, outputs, _, _ = _block_attention(dtype, extra_read=extra)
+        before = _before_merged_heads(g, outputs)
+        after = passes.rewrite(before.graph, before.outputs, MERGED_HEADS)
+        merged = {n.op for n in after.graph.nodes if n.attrs.get("heads_merged")}
+        # (float32: its backward's results are still assembled in place)
+        assert merged == ({"causal_attention_backward_kept"} if extra else set()), dtype
+    # an assembly one of whose thirds is not the attention backward's: left alone
+    g = gl.Graph("foreign")
+    q, k, v, o, gy = (g.input(n, (2, 3, 5, 4)) for n in "qkvog")
+    grads = gl.registry.apply("causal_attention_backward", (q, k, v, o, gy), scale=0.5)
+    thirds = [gl.transpose(grads[0], (0, 2, 1, 3)), gl.transpose(grads[1], (0, 2, 1, 3)), gl.transpose(q, (0, 2, 1, 3))]
+    index = lambda i: gl.ops.normalize_index((i, slice(None), slice(None)), (3, 10, 12))
+    assembled = gl.registry.apply("slices_assemble", thirds, shape=(3, 10, 12), indexes=[index(i) for i in range(3)])
+    assert "slices_assemble" in ops_of(passes.rewrite(g, [assembled], MERGED_HEADS).graph)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -531,7 +613,7 @@ def test_executors_declare_their_pipeline():
     from graphlm.passes.kept_values import KEPT_STATISTICS
     assert executors.get("native").pipeline == "native"
     assert passes.PIPELINES["native"] == (MATMUL_SUM, SLICE_GRADIENTS, ATTENTION_SOFTMAX, DROPOUT_MASKS, KEPT_STATISTICS,
-                                          AFFINE_GRADS, BIAS_DROPOUT_ADD)
+                                          AFFINE_GRADS, BIAS_DROPOUT_ADD, MERGED_HEADS)
     assert [r.name for r in KEPT_STATISTICS.rules] == [r.name for r in KEPT_VALUES.rules if "GELU" not in r.name]
 
 

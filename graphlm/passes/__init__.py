@@ -14,8 +14,10 @@
   (a product with a param's transpose reads the transpose as a param of its own) and
   panel_weights.py (a product with a param reads it in column panels, its bias added in the
   product): the weight layouts of the Generator, whose params stay fixed; in no pipeline;
-  affine_grads.py (a layer norm's weight and bias gradients in one node) and bias_dropout_add.py
-  (a residual update after an output projection in one node): the native pipeline's, for its C kernels.
+  affine_grads.py (a layer norm's weight and bias gradients in one node), bias_dropout_add.py
+  (a residual update after an output projection in one node) and merged_heads.py (attention
+  stores its results with the heads merged: the merge and the QKV gradient's assembly become
+  views): the native pipeline's, for its C kernels.
 - pipelines.py: `PIPELINES`, the passes each executor runs (an executor names its pipeline).
 
 Every op a pass produces is registered in graphlm/ops.py ("ops the graph passes produce"; the

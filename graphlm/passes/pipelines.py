@@ -12,6 +12,7 @@ from .bias_dropout_add import BIAS_DROPOUT_ADD
 from .dropout_masks import DROPOUT_MASKS
 from .kept_values import KEPT_STATISTICS, KEPT_VALUES
 from .matmul_sum import MATMUL_SUM
+from .merged_heads import MERGED_HEADS
 from .rewrite import Pass, Rewritten, compose, needed, rewrite
 from .slice_gradients import SLICE_GRADIENTS
 
@@ -20,8 +21,8 @@ _PLANNED = (MATMUL_SUM, SLICE_GRADIENTS, ATTENTION_SOFTMAX, DROPOUT_MASKS)   # b
 PIPELINES: dict[str, tuple[Pass, ...]] = {
     "none": (),
     "numpy": _PLANNED + (KEPT_VALUES,),
-    # kept_values without the GELU's sigmoid (kept_values.py says why); then two fusions for C kernels
-    "native": _PLANNED + (KEPT_STATISTICS, AFFINE_GRADS, BIAS_DROPOUT_ADD),
+    # kept_values without the GELU's sigmoid (kept_values.py says why); then three rewrites for C kernels
+    "native": _PLANNED + (KEPT_STATISTICS, AFFINE_GRADS, BIAS_DROPOUT_ADD, MERGED_HEADS),
 }
 
 
