@@ -93,6 +93,13 @@ def _transpose(node, ctx):
     return merged if merged is not None and _swaps_heads(node, node.ndim) else None
 
 
+def _whole_third(index, shape, i) -> bool:
+    """Whether `index` (normalized) selects all of [i, ...] of an array of `shape`."""
+    return (len(index) == len(shape) and index[0] == i
+            and all(isinstance(ix, slice) and ix.start in (0, None) and ix.stop in (n, None) and ix.step in (1, None)
+                    for ix, n in zip(index[1:], shape[1:])))
+
+
 def _third(t, ctx):
     """(the attention backward, i) where `t` is transpose(slice(backward, i), swap T and the
     heads), each node read once; else None."""
@@ -102,15 +109,8 @@ def _third(t, ctx):
     if s.op != "slice" or not ctx.private(s) or s.inputs[0].op not in _BACKWARDS:
         return None
     back, index = s.inputs[0], s.attrs["index"]
-    whole = all(isinstance(ix, slice) and ix.start in (0, None) and ix.stop in (n, None) and ix.step in (1, None)
-                for ix, n in zip(index[1:], back.shape[1:]))
-    return (back, index[0]) if isinstance(index[0], int) and whole and len(index) == back.ndim else None
-
-
-def _whole_third(index, shape, i) -> bool:
-    return (len(index) == len(shape) and index[0] == i
-            and all(isinstance(ix, slice) and ix.start in (0, None) and ix.stop in (n, None) and ix.step in (1, None)
-                    for ix, n in zip(index[1:], shape[1:])))
+    i = index[0]
+    return (back, i) if isinstance(i, int) and _whole_third(index, back.shape, i) else None
 
 
 def _assemble(node, ctx):
