@@ -1229,7 +1229,7 @@ def _attention_backward_kept_decompose(q, k, v, o, e, l, g, scale, query_block, 
 
 
 def _infer_attention_keep(inputs, attrs):
-    shape, dtype = _infer_attention_out(inputs, attrs)   # (checks heads_merged's q)
+    _, dtype = _infer_attention_out(inputs, attrs)   # (checks heads_merged's q)
     return (causal_attention_keep_layout(inputs[0].shape, attrs["query_block"])[-1][2],), dtype
 
 
