@@ -345,6 +345,9 @@ def test_merged_heads_leave_an_attention_read_otherwise_float64_or_a_foreign_thi
     index = lambda i: gl.ops.normalize_index((i, slice(None), slice(None)), (3, 10, 12))
     assembled = gl.registry.apply("slices_assemble", thirds, shape=(3, 10, 12), indexes=[index(i) for i in range(3)])
     assert "slices_assemble" in ops_of(passes.rewrite(g, [assembled], MERGED_HEADS).graph)
+    with pytest.raises(gl.ir.ShapeError, match=r"causal_attention in <root>: heads_merged attention needs q "
+                                               r"\[\.\.\., H, T, D\], got \[5,3\]"):
+        gl.registry.apply("causal_attention", (g.input("q2", (5, 3)),) * 3, scale=0.5, heads_merged=True)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
