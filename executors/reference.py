@@ -12,7 +12,7 @@ import numpy as np
 from scipy import special
 
 from graphlm.ops import (GELU_A, GELU_B, GELU_DA, GELU_DB, GELU_R2, GELU_R2PI, attention_query_blocks,
-                         matmul_sum_folding, norm_parts)
+                         heads_merged_swap, matmul_sum_folding, norm_parts)
 from graphlm.random import counter_uniform, dropout_keep_scale
 
 from .base import ExecutionError, Program, check_index_range, node_where
@@ -226,20 +226,15 @@ def _attention_gradients(p, q, k, v, o, g, scale):
                      np.matmul(np.swapaxes(p, -1, -2), g)])
 
 
-def _stored(node, x):
-    """`x` ([..., H, T, D] results) as the node stores them: [..., T, H, D] where heads_merged."""
-    return np.swapaxes(x, -3, -2) if node.attrs.get("heads_merged") else x
-
-
 @kernel("causal_attention")
 def causal_attention(node, q, k, v):
-    return _stored(node, np.matmul(_attention_probs(q, k, node.attrs["scale"]), v))
+    return heads_merged_swap(np.matmul(_attention_probs(q, k, node.attrs["scale"]), v), node.attrs)
 
 
 @kernel("causal_attention_backward")
 def causal_attention_backward(node, q, k, v, o, g):
-    return _stored(node, _attention_gradients(_attention_probs(q, k, node.attrs["scale"]), q, k, v, o, g,
-                                              node.attrs["scale"]))
+    return heads_merged_swap(_attention_gradients(_attention_probs(q, k, node.attrs["scale"]), q, k, v, o, g,
+                                                  node.attrs["scale"]), node.attrs)
 
 
 @kernel("causal_attention_keep")
@@ -248,7 +243,7 @@ def causal_attention_keep(node, q, k, v):
     e = np.exp(s - np.max(s, axis=-1, keepdims=True))
     l = np.sum(e, axis=-1, keepdims=True)
     blocks = [e[..., r0:r1, :r1].reshape(-1) for r0, r1 in attention_query_blocks(q.shape[-2], node.attrs["query_block"])]
-    return np.concatenate([_stored(node, np.matmul(e / l, v)).reshape(-1), *blocks, l.reshape(-1)])
+    return np.concatenate([heads_merged_swap(np.matmul(e / l, v), node.attrs).reshape(-1), *blocks, l.reshape(-1)])
 
 
 @kernel("causal_attention_backward_kept")
@@ -258,7 +253,7 @@ def causal_attention_backward_kept(node, q, k, v, o, e, l, g):
         rows = p[..., r0:r1, :r1]
         rows[...] = e[at:at + rows.size].reshape(rows.shape)
         at += rows.size
-    return _stored(node, _attention_gradients(p / l, q, k, v, o, g, node.attrs["scale"]))
+    return heads_merged_swap(_attention_gradients(p / l, q, k, v, o, g, node.attrs["scale"]), node.attrs)
 
 
 def check_cached_position(node, position, capacity: int) -> int:

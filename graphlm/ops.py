@@ -1083,6 +1083,12 @@ def heads_merged_shape(shape) -> tuple[int, ...]:
     return shape[:-3] + (shape[-2], shape[-3], shape[-1])
 
 
+def heads_merged_swap(x: np.ndarray, attrs) -> np.ndarray:
+    """For a node with `attrs`: its [..., H, T, D] results `x` as it stores them, or the array it
+    stores as its [..., H, T, D] view (the same swap both ways); `x` itself where not heads_merged."""
+    return np.swapaxes(x, -3, -2) if attrs.get("heads_merged") else x
+
+
 def _heads_merged(x):
     return swapaxes(x, -3, -2)
 

@@ -57,7 +57,7 @@ void gl_softmax_ds_block(float *s, const float *e, const float *dd, int64_t nmat
 enum { STRIDED = 6, S_Q = 0, S_K, S_V, S_G, S_O, S_DQ };   /* the strided arrays' slots */
 enum { P_T, P_D, P_M, P_NB, P_SGEMM, P_KIND, P_OWN, P_LD, P_OFFSETS = P_LD + STRIDED, P_ARRAYS, PLAN_ARRAYS = 12,
        P_BOUNDS = P_ARRAYS + PLAN_ARRAYS };
-const int64_t gl_attention_plan_arrays = PLAN_ARRAYS;   /* read by executors/native/attention.py */
+const int64_t gl_attention_plan_arrays = PLAN_ARRAYS, gl_attention_strided = STRIDED;   /* read by attention.py */
 
 #define PACK_FLOATS 65536   /* per thread: one matrix's k (or v) transposed, t x d floats */
 static _Thread_local float pack[PACK_FLOATS];

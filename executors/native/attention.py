@@ -15,8 +15,10 @@ import functools
 
 import numpy as np
 
+from graphlm.ops import heads_merged_swap
+
 from ..numpy.attention import (attention_flops, attention_plan, build_causal_attention, build_causal_attention_backward,
-                               heads_view, keep_views, softmax_block, softmax_ds_block)
+                               keep_views, softmax_block, softmax_ds_block)
 from ..numpy.tiling import even_cuts
 from ..reference import check_cached_position
 from .build import library
@@ -63,9 +65,6 @@ MIN_TEAM_ATTENTION_FLOPS = 1 << 20   # causal attention below this runs whole on
 ATTENTION_PRODUCTS_IN_C = True
 
 
-STRIDED_SLOTS = 6   # attention.c's strided arrays per matrix: q, k, v, g, o (y), dq (dk, dv after it)
-
-
 def _attention_in_c(node, fn, shape, strided, arrays, flops):
     """The closure of `fn` (gl_causal_attention or _backward) over the score matrices of q's
     `shape`, from its plan words (attention.c): `arrays` in the kernel's order, of which
@@ -75,7 +74,7 @@ def _attention_in_c(node, fn, shape, strided, arrays, flops):
     where no sgemm is found or an array is not laid out so."""
     sgemm = blas_sgemm()
     lead, (t, d) = shape[:-2], shape[-2:]
-    strided = list(strided) + [None] * (STRIDED_SLOTS - len(strided))
+    strided = list(strided) + [None] * (ctypes.c_int64.in_dll(library(), "gl_attention_strided").value - len(strided))
     given = [x for x in strided if x is not None]
     rows_ok = lambda x: x.dtype == np.float32 and x.strides[-1] == 4 and x.strides[-2] % 4 == 0
     whole = [x for x in arrays if not any(x is y for y in given)]
@@ -112,7 +111,7 @@ def _causal_attention(node, out, ins, scratch):
         (qs,), parts = scratch, keep_views(out, node)
         y, e, l = parts["y"], parts["e"], parts["l"]
     else:
-        (qs, e, l), y = scratch, heads_view(out, node)
+        (qs, e, l), y = scratch, heads_merged_swap(out, node.attrs)
     return (_attention_in_c(node, library().gl_causal_attention, q.shape, [q, k, v, None, y],
                             [q, k, v, y, e, l, qs], attention_flops(q.shape))
             or _with_native_steps(build_causal_attention)(node, out, ins, scratch))
@@ -126,7 +125,7 @@ def _causal_attention_backward(node, out, ins, scratch):
         q, k, v, o, e, l, g = ins
         ds, gs, dd, tmp = scratch
         run = _attention_in_c(node, library().gl_causal_attention_backward, q.shape,
-                              [q, k, v, g, o, heads_view(out, node)[0]],
+                              [q, k, v, g, o, heads_merged_swap(out, node.attrs)[0]],
                               [q, k, v, o, g, e, l, out, ds, gs, tmp, dd], 2 * attention_flops(q.shape))
     return run or _with_native_steps(build_causal_attention_backward)(node, out, ins, scratch)
 

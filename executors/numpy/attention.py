@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from graphlm.ops import attention_query_blocks, attention_score_size, causal_attention_keep_layout
+from graphlm.ops import attention_query_blocks, attention_score_size, causal_attention_keep_layout, heads_merged_swap
 
 from . import pool
 from ..reference import check_cached_position
@@ -147,19 +147,13 @@ def _scores_specs(shape, dtype, query_block=None):
     return [(lead + (attention_score_size(t, query_block),), dtype), (lead + (t, 1), dtype)]
 
 
-def heads_view(x, node):
-    """The [..., H, T, D] view of a result `x` as an attention node stores it (a strided view of
-    the [..., T, H, D] array where heads_merged, graphlm.ops.heads_merged_shape)."""
-    return np.swapaxes(x, -3, -2) if node.attrs.get("heads_merged") else x
-
-
 def keep_views(out, node) -> dict:
     """The parts y ([..., H, T, D], a view), e (flat) and l of a causal_attention_keep node's flat
     output, as views."""
     parts = {name: out[a:b].reshape(shape) for name, a, b, shape in
              causal_attention_keep_layout(node.inputs[0].shape, node.attrs["query_block"],
                                           node.attrs.get("heads_merged", False))}
-    parts["y"] = heads_view(parts["y"], node)
+    parts["y"] = heads_merged_swap(parts["y"], node.attrs)
     return parts
 
 
@@ -176,7 +170,7 @@ def build_causal_attention(node, out, ins, scratch, steps=ATTENTION_BLOCK_STEPS)
         (qs,), parts = scratch, keep_views(out, node)
         out, e, l = parts["y"], parts["e"], parts["l"]
     else:
-        (qs, e, l), out = scratch, heads_view(out, node)
+        (qs, e, l), out = scratch, heads_merged_swap(out, node.attrs)
     blocks, above, scale = attention_plan(node, q.shape)
     lead, t = q.shape[:-2], q.shape[-2]
     body = lambda q, k, v, o, l, qs, *e: _attention_scores(q, k, v, o, l, qs, e, scale, blocks, above, steps)
@@ -203,7 +197,7 @@ def build_causal_attention_backward(node, out, ins, scratch, steps=ATTENTION_BLO
     else:
         q, k, v, o, g = ins
         ds, gs, dd, tmp, e, l = scratch
-    out = heads_view(out, node)
+    out = heads_merged_swap(out, node.attrs)   # [3, ..., H, T, D]
     shape = out.shape[1:]
     blocks, above, scale = attention_plan(node, shape)
     lead, t = shape[:-2], shape[-2]
