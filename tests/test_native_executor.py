@@ -71,6 +71,36 @@ def test_exp_edges_inf_nan_and_underflow():
                                           np.float32(np.exp(np.float64(x[-1])))])
 
 
+def row_sum_order(x: np.ndarray) -> np.float32:
+    """kernels.h's row_sum restated in float32: 16 lane sums over the whole chunks, the tail
+    summed from 0, then the lanes added to it one by one."""
+    whole = x.size // 16 * 16
+    lanes = np.zeros(16, np.float32)
+    for i in range(0, whole, 16):
+        lanes = lanes + x[i:i + 16]
+    s = np.float32(0.0)
+    for v in list(x[whole:]) + list(lanes):
+        s = np.float32(s + v)
+    return s
+
+
+@pytest.mark.parametrize("rows,cols,r0", [(64, 128, 64), (37, 40, 3), (5, 21, 16), (20, 9, 0)])
+def test_causal_softmax_block_rounds_as_row_sum(rows, cols, r0):
+    """gl_causal_softmax_block (the C attention's forward step) on two score matrices: each row's
+    largest E is exp(0) = 1, E is 0 above the diagonal (keys past r0 + i), and l is row_sum's sum
+    of the row's E in row_sum's order to the bit, whatever the row's length (its rows' sums run
+    side by side, 16 at a time)."""
+    rng = np.random.default_rng(6)
+    s = (rng.standard_normal((2, rows, cols)) * 4).astype(np.float32)
+    l = np.full((2, rows), np.nan, np.float32)
+    native.library().gl_causal_softmax_block(s.ctypes.data, l.ctypes.data, 2, rows, cols, r0, rows)
+    for m in range(2):
+        for i in range(rows):
+            n = min(r0 + i + 1, cols)
+            assert s[m, i, :n].max() == 1.0 and not s[m, i, n:].any(), (m, i)
+            assert l[m, i].tobytes() == row_sum_order(s[m, i, :n]).tobytes(), (m, i, n)
+
+
 # -- every op case ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])

@@ -5,21 +5,44 @@
 
 /* ---- causal attention's softmax (numpy_executor.py, "causal attention") ------------------ */
 
+/* One row of a causal score block: E = exp(x - max) over x[0, n), 0 over [n, cols). The max is
+ * row_max's value (a max rounds nothing, so its lanes may take the partial chunk and meet in a
+ * tree: the same value, up to the sign of a zero max, which x - max cannot tell); the exps run
+ * in whole chunks of LANES while the row's storage lasts (exps past n are overwritten by 0), so
+ * no row ends in a scalar loop. */
+_Static_assert(LANES == 16, "causal_exp_row's max tree is written for 16 lanes");
+static inline void causal_exp_row(float *x, int64_t n, int64_t cols) {
+    const int64_t whole = n / LANES * LANES, storage = cols / LANES * LANES;
+    const int64_t upto = n <= storage ? (n + LANES - 1) / LANES * LANES : storage;
+    float acc[LANES];
+    for (int j = 0; j < LANES; j++) acc[j] = -INFINITY;
+    for (int64_t i = 0; i < whole; i += LANES)
+        for (int j = 0; j < LANES; j++) acc[j] = x[i + j] > acc[j] ? x[i + j] : acc[j];
+    for (int64_t i = whole; i < n; i++) acc[i - whole] = x[i] > acc[i - whole] ? x[i] : acc[i - whole];
+    for (int j = 0; j < 8; j++) acc[j] = acc[j + 8] > acc[j] ? acc[j + 8] : acc[j];
+    for (int j = 0; j < 4; j++) acc[j] = acc[j + 4] > acc[j] ? acc[j + 4] : acc[j];
+    for (int j = 0; j < 2; j++) acc[j] = acc[j + 2] > acc[j] ? acc[j + 2] : acc[j];
+    const float mx = acc[1] > acc[0] ? acc[1] : acc[0];
+    for (int64_t i = 0; i < upto; i += LANES)
+        for (int j = 0; j < LANES; j++) x[i + j] = exp_f32(x[i + j] - mx);
+    for (int64_t i = upto; i < n; i++) x[i] = exp_f32(x[i] - mx);
+    for (int64_t i = n; i < cols; i++) x[i] = 0.0f;
+}
+
 /* One query block of `nmat` score matrices, each `rows` x `cols` and contiguous, row i being
- * query r0 + i: E = exp(s - rowmax) over the keys [0, r0 + i], 0 above the diagonal, in place;
- * l[m*l_stride + i] = rowsum(E). */
+ * query r0 + i: E = exp(s - rowmax) over the keys [0, r0 + i], 0 above the diagonal, in place
+ * (causal_exp_row); l[m*l_stride + i] = rowsum(E), LANES rows at once (rows_sum). */
 void gl_causal_softmax_block(float *s, float *l, int64_t nmat, int64_t rows, int64_t cols,
                              int64_t r0, int64_t l_stride) {
-    for (int64_t m = 0; m < nmat; m++) {
-        for (int64_t i = 0; i < rows; i++) {
-            float *x = s + (m * rows + i) * cols;
-            int64_t valid = r0 + i + 1 < cols ? r0 + i + 1 : cols;
-            float mx = row_max(x, valid);
-            for (int64_t j = 0; j < valid; j++) x[j] = exp_f32(x[j] - mx);
-            for (int64_t j = valid; j < cols; j++) x[j] = 0.0f;
-            l[m * l_stride + i] = row_sum(x, valid);
+    for (int64_t m = 0; m < nmat; m++)
+        for (int64_t i0 = 0; i0 < rows; i0 += LANES) {
+            int64_t group = rows - i0 < LANES ? rows - i0 : LANES, valid[LANES];
+            for (int64_t i = i0; i < i0 + group; i++) {
+                valid[i - i0] = r0 + i + 1 < cols ? r0 + i + 1 : cols;
+                causal_exp_row(s + (m * rows + i) * cols, valid[i - i0], cols);
+            }
+            rows_sum(s + (m * rows + i0) * cols, cols, valid, group, l + m * l_stride + i0);
         }
-    }
 }
 
 /* The softmax gradient's ds = (s - dd) * E over one query block, in place in s (dd one value

@@ -107,6 +107,30 @@ static inline float row_max(const float *x, int64_t n) {
     return m;
 }
 
+/* row_sum of `rows` <= LANES rows at once (row r: n[r] floats at x + r * ld) into out[r], each
+ * in row_sum's order: its lane sums over whole chunks, its tail from 0, then the lanes one by
+ * one. A row alone is a chain of up to 2 * LANES - 1 dependent adds; here the rows' chains run
+ * side by side, a row per vector lane (a tail padded with +0.0, which leaves a sum unchanged: a
+ * sum from +0.0 is never -0.0). */
+static inline void rows_sum(const float *x, int64_t ld, const int64_t *n, int64_t rows, float *out) {
+    float lanes[LANES][LANES] = {{0}}, tail[LANES][LANES] = {{0}};   /* [lane or tail index][row] */
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * ld;
+        float acc[LANES] = {0};
+        int64_t i = 0;
+        for (; i + LANES <= n[r]; i += LANES)
+            for (int j = 0; j < LANES; j++) acc[j] += xr[i + j];
+        for (int j = 0; j < LANES; j++) lanes[j][r] = acc[j];
+        for (int j = 0; i + j < n[r]; j++) tail[j][r] = xr[i + j];
+    }
+    float s[LANES] = {0};
+    for (int i = 0; i < LANES; i++)
+        for (int r = 0; r < LANES; r++) s[r] += tail[i][r];
+    for (int j = 0; j < LANES; j++)
+        for (int r = 0; r < LANES; r++) s[r] += lanes[j][r];
+    for (int64_t r = 0; r < rows; r++) out[r] = s[r];
+}
+
 /* ---- the dot product's summation order (products.c's NT kernel, attention.c's cached attention) ---- */
 
 /* NT: one dot product's 16 lane sums into acc (lane l: p = l, l+16, ... < k, in order) */
