@@ -104,6 +104,17 @@ def test_render_command_writes_the_page(tmp_path, capsys):
     assert '"plan":{' in out.read_text()
 
 
+def test_plan_data_bytes_live_peak_is_the_lower_bound():
+    """The page's bytes-live line counts each arena buffer once: a kept value's rectangle lies
+    over bytes its node's rectangle (or the buffer it views) already holds, so counting it again
+    drew the TinyLM training plan's line a third above the arena."""
+    g, plan = tinylm_train()
+    data = H.page_data(g, plan=plan)["plan"]
+    assert any(r["kind"] == "kept" for r in data["rects"])
+    assert len(data["live"]) == data["steps"]
+    assert max(data["live"]) == data["lower_bound_bytes"] <= data["arena_bytes"]
+
+
 # -- in the browser ---------------------------------------------------------------------------------------
 def _must_have_browser() -> bool:
     return bool(os.environ.get("GRAPHLM_REQUIRE_BROWSER")) or os.environ.get("CI", "").lower() == "true"

@@ -136,7 +136,7 @@ def page_data(graph: Graph, plan=None, title: str | None = None) -> dict[str, An
 
 
 def _plan_data(plan, graph: Graph) -> dict[str, Any]:
-    from .plan_view import COLOURS, arena_rectangles, live_profile, plan_report
+    from .plan_view import COLOURS, arena_rectangles, plan_live_profile, plan_report
 
     rects = arena_rectangles(plan, graph)
     report = plan_report(plan)
@@ -147,7 +147,7 @@ def _plan_data(plan, graph: Graph) -> dict[str, Any]:
         r["node"] = int(m.group(1)) if m else None
     return {"arena_bytes": report["arena_bytes"], "lower_bound_bytes": report["lower_bound_bytes"],
             "naive_bytes": report["naive_bytes"], "steps": steps, "rects": rects,
-            "live": live_profile(rects, steps), "arena_text": fmt_bytes(report["arena_bytes"]),
+            "live": plan_live_profile(plan, rects, steps), "arena_text": fmt_bytes(report["arena_bytes"]),
             "schedule": [int(i) for i in plan.schedule], "colours": COLOURS}
 
 

@@ -126,7 +126,7 @@ def arena_rectangles(program_or_plan, graph=None) -> list[dict[str, Any]]:
 
 def live_profile(rects: list[dict[str, Any]], steps: int) -> list[int]:
     """Bytes live at each step: the sizes of the buffers (plan blocks, or rectangles) whose
-    lifetime covers it. Its peak is the plan's lower bound."""
+    lifetime covers it; each buffer counted once (`plan_live_profile`)."""
     delta = [0] * (steps + 2)
     for r in rects:
         delta[r["first"]] += r["nbytes"]
@@ -136,6 +136,16 @@ def live_profile(rects: list[dict[str, Any]], steps: int) -> list[int]:
         live += delta[k]
         out.append(live)
     return out
+
+
+def plan_live_profile(plan, rects: list[dict[str, Any]], steps: int) -> list[int]:
+    """The plan's bytes-live line: from its arena blocks where it has them (a dedicated block
+    lies outside the arena), else from `rects` less the kept values' rectangles, which lie over
+    bytes another rectangle already counts. Its peak is the plan's lower bound."""
+    blocks = [b for b in getattr(plan, "blocks", []) if not getattr(b, "dedicated", False)]
+    if blocks:
+        return live_profile([{"first": b.first, "last": b.last, "nbytes": b.nbytes} for b in blocks], steps)
+    return live_profile([r for r in rects if r["kind"] != "kept"], steps)
 
 
 def _byte_unit(top: int) -> tuple[int, str]:
@@ -185,9 +195,7 @@ def draw_arena(program_or_plan, graph=None, title: str | None = None):
                                  edgecolors=KEPT_EDGE, linewidths=0.6, hatch="////")
         hatched.set_gid("kept")
         ax.add_collection(hatched)
-    blocks = [b for b in getattr(plan, "blocks", []) if not getattr(b, "dedicated", False)]
-    profile = live_profile([{"first": b.first, "last": b.last, "nbytes": b.nbytes} for b in blocks]
-                           if blocks else rects, steps)
+    profile = plan_live_profile(plan, rects, steps)
     if profile:
         ax.step(range(len(profile) + 1), [v / unit for v in profile] + [profile[-1] / unit],
                 where="post", color="#111111", lw=1.1, gid="live")
@@ -234,5 +242,5 @@ def write_arena_picture(program_or_plan, path, format: str | None = None, graph=
     return save_figure(draw_arena(program_or_plan, graph), path, fmt)
 
 
-__all__ = ["plan_report", "format_plan", "arena_rectangles", "live_profile", "draw_arena",
+__all__ = ["plan_report", "format_plan", "arena_rectangles", "live_profile", "plan_live_profile", "draw_arena",
            "write_arena_picture"]
