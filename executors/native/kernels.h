@@ -14,9 +14,9 @@
  * memory-bound ops) compute exactly what the numpy executor computes; exp_f32's polynomial and
  * the products ask for fused multiply-adds by name (MADD).
  *
- * Here: exp_f32 and the row reductions (row_sum, row_dot, row_max), and the dot product's fixed
- * summation order that the NT products and the cached attention share (nt_lanes, lanes_tree,
- * nt_reduce16). */
+ * Here: exp_f32 and the row reductions (row_sum, row_dot, row_max; rows_sum, row_sum of up to 16
+ * rows side by side), and the dot product's fixed summation order that the NT products and the
+ * cached attention share (nt_lanes, lanes_tree, nt_reduce16). */
 #ifndef GRAPHLM_KERNELS_H
 #define GRAPHLM_KERNELS_H
 
