@@ -343,6 +343,10 @@ def test_screenshot(browser, train, tmp_path):
     before = renders(page)
     page.click(f'#results li.result[data-id="{target.id}"]')
     wait_render(page, before)
+    page.mouse.move(400, 250)      # dragged right a little: the embeddings' clusters in view too
+    page.mouse.down()
+    page.mouse.move(470, 250, steps=5)
+    page.mouse.up()
     out = Path(SCREENSHOT_DIR) if SCREENSHOT_DIR else tmp_path
     page.screenshot(path=str(out / "tinylm_train_page.png"))
     data = (out / "tinylm_train_page.png").read_bytes()
