@@ -5,24 +5,13 @@
 
 /* ---- causal attention's softmax (numpy_executor.py, "causal attention") ------------------ */
 
-/* One row of a causal score block: E = exp(x - max) over x[0, n), 0 over [n, cols). The max is
- * row_max's value (a max rounds nothing, so its lanes may take the partial chunk and meet in a
- * tree: the same value, up to the sign of a zero max, which x - max cannot tell); the exps run
- * in whole chunks of LANES while the row's storage lasts (exps past n are overwritten by 0), so
- * no row ends in a scalar loop. */
-_Static_assert(LANES == 16, "causal_exp_row's max tree is written for 16 lanes");
+/* One row of a causal score block: E = exp(x - row_max) over x[0, n), 0 over [n, cols). The
+ * exps run in whole chunks of LANES while the row's storage lasts (exps past n are overwritten
+ * by 0), so no row ends in a scalar loop. */
 static inline void causal_exp_row(float *x, int64_t n, int64_t cols) {
-    const int64_t whole = n / LANES * LANES, storage = cols / LANES * LANES;
+    const int64_t storage = cols / LANES * LANES;
     const int64_t upto = n <= storage ? (n + LANES - 1) / LANES * LANES : storage;
-    float acc[LANES];
-    for (int j = 0; j < LANES; j++) acc[j] = -INFINITY;
-    for (int64_t i = 0; i < whole; i += LANES)
-        for (int j = 0; j < LANES; j++) acc[j] = x[i + j] > acc[j] ? x[i + j] : acc[j];
-    for (int64_t i = whole; i < n; i++) acc[i - whole] = x[i] > acc[i - whole] ? x[i] : acc[i - whole];
-    for (int j = 0; j < 8; j++) acc[j] = acc[j + 8] > acc[j] ? acc[j + 8] : acc[j];
-    for (int j = 0; j < 4; j++) acc[j] = acc[j + 4] > acc[j] ? acc[j + 4] : acc[j];
-    for (int j = 0; j < 2; j++) acc[j] = acc[j + 2] > acc[j] ? acc[j + 2] : acc[j];
-    const float mx = acc[1] > acc[0] ? acc[1] : acc[0];
+    const float mx = row_max(x, n);
     for (int64_t i = 0; i < upto; i += LANES)
         for (int j = 0; j < LANES; j++) x[i + j] = exp_f32(x[i + j] - mx);
     for (int64_t i = upto; i < n; i++) x[i] = exp_f32(x[i] - mx);
