@@ -367,6 +367,16 @@ def affine_grads(node, g, x):
     return np.concatenate([np.sum(g * x, axis=lead), np.sum(g, axis=lead)])
 
 
+@kernel("bias_gelu")
+def bias_gelu(node, m, b):
+    return gelu(node, m + b)
+
+
+@kernel("bias_gelu_backward")
+def bias_gelu_backward(node, m, b, g):
+    return gelu_backward(node, m + b, g)
+
+
 @kernel("bias_dropout_add")
 def bias_dropout_add(node, r, m, b, keep):
     return r + dropout_apply(node, m + b, keep)

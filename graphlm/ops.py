@@ -1801,6 +1801,28 @@ register("affine_grads", _infer_affine_grads,
              "(each sum the rows in order, as `sum`)", vjp_doc="through its decomposition")
 
 
+# --- bias_gelu / bias_gelu_backward: an MLP's first bias added where its GELU reads it ------------
+# gelu(m + b) with b along the last axis, and its backward gelu_backward(m + b, g) from m and b (m + b
+# formed again, one rounding as the add): the pattern's bits (made by graphlm/passes/bias_gelu.py,
+# which says why).
+def _infer_bias_gelu(inputs, attrs):
+    m, b = inputs[:2]
+    _require_float(m)
+    if b.shape != m.shape[-1:] or m.ndim < 1 or any(t.shape != m.shape for t in inputs[2:]):
+        raise ShapeError(f"expects b along the last axis of m{' and g of its shape' if len(inputs) > 2 else ''}, "
+                         f"got {', '.join(fmt_shape(t.shape) for t in inputs)}")
+    return _infer_gelu([m], attrs)[0], _same_dtype(inputs)
+
+
+register("bias_gelu", _infer_bias_gelu, decompose=lambda m, b, approximate: gelu(add(m, b), approximate),
+         doc="gelu(m + b), b along the last axis: an MLP's first bias added where its GELU reads it",
+         vjp_doc="through its decomposition")
+register("bias_gelu_backward", _infer_bias_gelu,
+         decompose=lambda m, b, g, approximate: apply("gelu_backward", (add(m, b), g), approximate=approximate),
+         doc="gelu_backward(m + b, g), b along the last axis: bias_gelu's backward, m + b formed again "
+             "where it is read", vjp_doc="through its decomposition")
+
+
 # --- layer_norm_keep / layer_norm_backward_kept: a layer norm keeps xc and sqrt(var + eps) --------
 def layer_norm_keep_layout(shape, keep_xhat: bool) -> list[tuple[str, int, int, tuple[int, ...]]]:
     """The parts of layer_norm_keep's flat output, in order: (name, start, stop, shape) of y,

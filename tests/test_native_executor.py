@@ -19,6 +19,8 @@ from graphlm import executors
 import graphlm as gl
 from graphlm.executors import native
 from graphlm.executors import numpy as numpy_executor
+from graphlm.passes import PIPELINES
+from graphlm.passes.bias_gelu import BIAS_GELU
 from graphlm.testing import assert_close, feeds_of
 from tests.test_fast_kernels import train_steps
 from tests.test_numpy_executor import _peak_allocation, compare, gpt_step, graph_with_grads, random_dag
@@ -223,6 +225,39 @@ def test_a_residual_update_in_c_gives_the_patterns_bits(small_pieces, threads):
     prog, got, mid, want = run_all(g, outputs, feeds, state)
     assert "bias_dropout_add" in prog.native_ops()
     assert got[0].tobytes() == mid[0].tobytes() == want[0].tobytes()
+
+
+class WithoutBiasGelu(native.NativeProgram):
+    """The native program without the bias_gelu pass: the pattern it fuses, on the same C kernels."""
+    pipeline = tuple(p for p in PIPELINES["native"] if p is not BIAS_GELU)
+
+
+@pytest.mark.threads
+@pytest.mark.parametrize("threads", [1, 3])
+def test_an_mlp_bias_with_its_gelu_in_c_gives_the_patterns_bits(small_pieces, threads):
+    """gelu(m + b) and its backward (m a product's rows, regrouped), fused by the native pipeline
+    into C passes that form m + b where they read it (gl_bias_gelu_tanh and its backward, rows cut
+    over threads), give the pattern's bits on the same C kernels, m + b never stored; and the
+    reference's values."""
+    rng = np.random.default_rng(14)
+    g = gl.Graph("mlp")
+    x = g.input("x", (2, 7, 5), np.float32)
+    w, b = g.param("w", (5, 40), np.float32), g.param("b", (40,), np.float32)
+    y = gl.gelu(gl.reshape(gl.reshape(x, (14, 5)) @ w + b, (2, 7, 40)), approximate="tanh")
+    u = g.const(rng.standard_normal((2, 7, 40)).astype(np.float32))
+    outputs = [y] + gl.grad(gl.sum(y * u), [x, w, b])
+    feeds = {"x": (rng.standard_normal((2, 7, 5)) * 2).astype(np.float32)}
+    state = {"w": rng.standard_normal((5, 40)).astype(np.float32),
+             "b": rng.standard_normal(40).astype(np.float32)}
+    _threads(threads)
+    prog, got, _, want = run_all(g, outputs, feeds, state)
+    assert {"bias_gelu", "bias_gelu_backward"} <= prog.native_ops()
+    assert not any(n.op in ("add", "gelu", "gelu_backward") for n in prog._step_nodes)   # m + b never stored
+    pattern = WithoutBiasGelu(g, outputs)
+    assert {"add", "gelu", "gelu_backward"} <= pattern.native_ops(state)
+    for i, (a, p) in enumerate(zip(got, pattern.run(feeds, state))):
+        assert a.tobytes() == p.tobytes(), f"output {i} differs from the pattern's bits"
+    close32(got, want, "bias gelu", rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.threads
@@ -546,7 +581,7 @@ def test_a_training_steps_row_kernels_run_on_the_team(monkeypatch, small_pieces)
     one = prog.run(feeds, params)
     _threads(2)
     two = prog.run(feeds, params)
-    assert {"gl_gelu_tanh", "gl_gelu_tanh_backward", "gl_layer_norm", "gl_layer_norm_backward",
+    assert {"gl_bias_gelu_tanh", "gl_bias_gelu_tanh_backward", "gl_layer_norm", "gl_layer_norm_backward",
             "gl_dropout_draw", "gl_dropout_apply", "gl_binary_rows", "gl_sum_rows"} <= {name for name, ok in made}
     assert all(ok for _, ok in made)
     assert all(a.tobytes() == b.tobytes() for a, b in zip(one, two))
@@ -578,7 +613,7 @@ def test_gpt_training_step_matches_reference():
     params = {k: v.astype(np.float32) for k, v in params.items()}
     prog, got, _, want = run_all(g, outputs, feeds, params)
     assert not prog.rounds_like_reference
-    assert {"causal_attention_keep", "causal_attention_backward_kept", "gelu", "gelu_backward",
+    assert {"causal_attention_keep", "causal_attention_backward_kept", "bias_gelu", "bias_gelu_backward",
             "layer_norm_keep", "layer_norm_backward_kept"} <= prog.native_ops()
     close32(got, want, "gpt step", rtol=1e-4, atol=1e-5)
     again = prog.run(feeds, params)

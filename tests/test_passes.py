@@ -11,6 +11,7 @@ from graphlm.ir import GraphError
 from graphlm.passes.affine_grads import AFFINE_GRADS
 from graphlm.passes.attention_softmax import ATTENTION_SOFTMAX
 from graphlm.passes.bias_dropout_add import BIAS_DROPOUT_ADD
+from graphlm.passes.bias_gelu import BIAS_GELU
 from graphlm.passes.dropout_masks import DROPOUT_MASKS
 from graphlm.passes.kept_values import KEPT_VALUES
 from graphlm.passes.matmul_sum import MATMUL_SUM
@@ -231,6 +232,36 @@ def test_affine_grads_leaves_a_product_with_another_use_or_a_sum_without_its_bia
     rw = passes.rewrite(g, [gl.sum(u * v, axis=0), gl.sum(v, axis=0)], AFFINE_GRADS)   # the bias of either factor
     (fused,) = [n for n in rw.graph.nodes if n.op == "affine_grads"]
     assert fused.inputs[0].name == "v"
+
+
+def test_bias_gelu_forms_an_mlps_biased_product_where_its_gelu_reads_it_bit_for_bit():
+    """gelu(x @ w + b) with the product's rows regrouped, and its backward: bias_gelu(m, b) and
+    bias_gelu_backward(m, b, g) on the product m itself, so m + b is never stored; the same bits
+    (on the reference) as the pattern."""
+    g = gl.Graph("mlp")
+    x = g.input("x", (6, 5), "float32")
+    w, b = g.param("w", (5, 4), "float32"), g.param("b", (4,), "float32")
+    y = gl.gelu(gl.reshape(x @ w + b, (2, 3, 4)))
+    outputs = [y] + gl.grad(gl.sum(y * gl.tanh(y)), [x, w, b])
+    rng = np.random.default_rng(10)
+    feeds = {"x": rng.standard_normal((6, 5), np.float32)}
+    state = {"w": rng.standard_normal((5, 4), np.float32), "b": rng.standard_normal(4, np.float32)}
+    rw, got, want = both(g, outputs, BIAS_GELU, feeds, state)
+    (fwd,) = [n for n in rw.graph.nodes if n.op == "bias_gelu"]
+    (bwd,) = [n for n in rw.graph.nodes if n.op == "bias_gelu_backward"]
+    assert rw.outputs[0] is fwd and fwd.inputs[1].name == "b" and bwd.inputs[1].name == "b"
+    assert fwd.inputs[0].op == "reshape" and fwd.inputs[0].inputs[0].op == "matmul"   # m, regrouped: a view
+    assert bwd.inputs[0].inputs[0] is fwd.inputs[0].inputs[0] and not {"gelu", "gelu_backward"} & set(ops_of(rw.graph))
+    assert not [n for n in rw.graph.nodes if n.op == "add" and fwd.inputs[1] in n.inputs]   # m + b never stored
+    assert all(a.tobytes() == b_.tobytes() for a, b_ in zip(got, want))
+    # left alone: m + b read by another node too, and float64 (the C kernels' float32 only)
+    h = x @ w + b
+    assert "bias_gelu" not in ops_of(passes.rewrite(g, [gl.gelu(h), h], BIAS_GELU).graph)
+    assert "bias_gelu" not in ops_of(passes.rewrite(g, [gl.gelu(h), gl.exp(h)], BIAS_GELU).graph)
+    g64 = gl.Graph("mlp64")
+    m64, b64 = g64.input("m", (3, 4), "float64"), g64.input("b", (4,), "float64")
+    y64 = gl.gelu(m64 + b64)
+    assert "bias_gelu" not in ops_of(passes.rewrite(g64, [y64] + gl.grad(gl.sum(y64), [m64]), BIAS_GELU).graph)
 
 
 def test_bias_dropout_add_is_a_residual_update_in_one_node_bit_for_bit():
@@ -616,7 +647,7 @@ def test_executors_declare_their_pipeline():
     from graphlm.passes.kept_values import KEPT_STATISTICS
     assert executors.get("native").pipeline == "native"
     assert passes.PIPELINES["native"] == (MATMUL_SUM, SLICE_GRADIENTS, ATTENTION_SOFTMAX, DROPOUT_MASKS, KEPT_STATISTICS,
-                                          AFFINE_GRADS, BIAS_DROPOUT_ADD, MERGED_HEADS)
+                                          AFFINE_GRADS, BIAS_DROPOUT_ADD, BIAS_GELU, MERGED_HEADS)
     assert [r.name for r in KEPT_STATISTICS.rules] == [r.name for r in KEPT_VALUES.rules if "GELU" not in r.name]
 
 

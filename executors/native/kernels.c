@@ -10,46 +10,66 @@ void gl_exp(const float *x, float *y, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] = exp_f32(x[i]);
 }
 
-/* tanh GELU: s = 1 / (exp((x*x*a + b)*x) + 1), y = x*s (graphlm.ops' GELU note); s kept when
- * `keep` is not NULL, for the backward. */
+/* tanh GELU (graphlm.ops' GELU note): s = 1 / (exp((x*x*a + b)*x) + 1), y = x*s, and its
+ * derivative d = (1 - s)*s*x*(x*x*da + db) + s, the input gradient g*d. One expression each, for
+ * every GELU kernel below. */
+static inline float gelu_sigmoid(float x, float a, float b) { return 1.0f / (exp_f32((x * x * a + b) * x) + 1.0f); }
+static inline float gelu_slope(float x, float s, float da, float db) { return (1.0f - s) * s * x * (x * x * da + db) + s; }
+
+/* y = x*s; s kept when `keep` is not NULL, for the backward. */
 void gl_gelu_tanh(const float *x, float *y, float *keep, int64_t n, float a, float b) {
     if (keep) {
         for (int64_t i = 0; i < n; i++) {
-            float xi = x[i];
-            float s = 1.0f / (exp_f32((xi * xi * a + b) * xi) + 1.0f);
+            float s = gelu_sigmoid(x[i], a, b);
             keep[i] = s;
-            y[i] = xi * s;
+            y[i] = x[i] * s;
         }
     } else {
-        for (int64_t i = 0; i < n; i++) {
-            float xi = x[i];
-            y[i] = xi * (1.0f / (exp_f32((xi * xi * a + b) * xi) + 1.0f));   /* x*s, not x/(e + 1) */
-        }
+        for (int64_t i = 0; i < n; i++) y[i] = x[i] * gelu_sigmoid(x[i], a, b);   /* x*s, not x/(e + 1) */
     }
 }
 
-/* The tanh GELU's sigmoid alone: s = 1/(exp((x*x*a + b)*x) + 1), as gl_gelu_tanh keeps it. */
+/* The tanh GELU's sigmoid alone, as gl_gelu_tanh keeps it. */
 void gl_gelu_tanh_sigmoid(const float *x, float *s, int64_t n, float a, float b) {
-    for (int64_t i = 0; i < n; i++) {
-        float xi = x[i];
-        s[i] = 1.0f / (exp_f32((xi * xi * a + b) * xi) + 1.0f);
-    }
+    for (int64_t i = 0; i < n; i++) s[i] = gelu_sigmoid(x[i], a, b);
 }
 
-/* tanh GELU's input gradient: out = g*(s + (1 - s)*s*x*(x*x*da + db)), from the forward's
- * kept s, or with s recomputed (constants a, b) when `kept` is NULL. */
+/* The input gradient out = g*d, from the forward's kept s, or with s recomputed (constants a, b)
+ * when `kept` is NULL. */
 void gl_gelu_tanh_backward(const float *x, const float *g, const float *kept, float *out, int64_t n,
                            float a, float b, float da, float db) {
     if (kept) {
-        for (int64_t i = 0; i < n; i++) {
-            float xi = x[i], s = kept[i];
-            out[i] = g[i] * ((1.0f - s) * s * xi * (xi * xi * da + db) + s);
-        }
+        for (int64_t i = 0; i < n; i++) out[i] = g[i] * gelu_slope(x[i], kept[i], da, db);
     } else {
-        for (int64_t i = 0; i < n; i++) {
-            float xi = x[i];
-            float s = 1.0f / (exp_f32((xi * xi * a + b) * xi) + 1.0f);
-            out[i] = g[i] * ((1.0f - s) * s * xi * (xi * xi * da + db) + s);
+        for (int64_t i = 0; i < n; i++) out[i] = g[i] * gelu_slope(x[i], gelu_sigmoid(x[i], a, b), da, db);
+    }
+}
+
+/* bias_gelu: rows [r0, r1) of y = gelu(m + bias), m and y [rows, cols] contiguous, bias [cols]
+ * (x = m + bias one rounding, as the add; y never m: the kernel table gives the op no in-place). */
+void gl_bias_gelu_tanh(const float *restrict m, const float *restrict bias, float *restrict y, int64_t cols,
+                       int64_t r0, int64_t r1, float a, float b) {
+    for (int64_t r = r0; r < r1; r++) {
+        const float *mr = m + r * cols;
+        float *yr = y + r * cols;
+        for (int64_t j = 0; j < cols; j++) {
+            float x = mr[j] + bias[j];
+            yr[j] = x * gelu_sigmoid(x, a, b);
+        }
+    }
+}
+
+/* bias_gelu_backward: rows [r0, r1) of out = g * d(m + bias), m, g and out [rows, cols]
+ * contiguous, bias [cols] (m + bias one rounding, as the add). */
+void gl_bias_gelu_tanh_backward(const float *restrict m, const float *restrict bias, const float *restrict g,
+                                float *restrict out, int64_t cols, int64_t r0, int64_t r1, float a, float b,
+                                float da, float db) {
+    for (int64_t r = r0; r < r1; r++) {
+        const float *mr = m + r * cols, *gr = g + r * cols;
+        float *outr = out + r * cols;
+        for (int64_t j = 0; j < cols; j++) {
+            float x = mr[j] + bias[j];
+            outr[j] = gr[j] * gelu_slope(x, gelu_sigmoid(x, a, b), da, db);
         }
     }
 }

@@ -1,7 +1,8 @@
 """The native executor's row kernels in C (kernels.c): one fused pass per row or element range.
 
     add and multiply, outer sums, copies     (NumPy's arithmetic and order, without its overheads)
-    exp, tanh GELU and its backward          (a vectorised float32 exp, within 2 ulp)
+    exp, tanh GELU and its backward          (a vectorised float32 exp, within 2 ulp; also with a bias
+                                             added where the GELU reads it: bias_gelu)
     softmax over the last axis               (rowmax, exp, rowsum and divide in one pass per row)
     layer norm and its backward              (one pass per row; row sums in 16 partial sums)
     cross entropy and its backward           (one pass per row; the mean over rows by NumPy)
@@ -102,6 +103,33 @@ def _gelu_backward_sigmoid(node, out, ins, scratch):
     if node.dtype != np.float32 or not native_arrays(x, g, s, out):
         return None
     return _gelu_backward_closure(x, g, s, out)
+
+
+def _bias_rows(m, b, *more) -> bool:
+    """Whether m (and the arrays `more` of its shape) are contiguous float32 rows and b one row
+    along their last axis, as the bias GELU kernels take them."""
+    return m.ndim >= 2 and b.shape == m.shape[-1:] and native_arrays(m, b, *more)
+
+
+@native_kernel("bias_gelu", rounds_own_way=lambda node: node.attrs["approximate"] == "tanh")
+def _bias_gelu(node, out, ins, scratch):
+    m, b = ins
+    if node.attrs["approximate"] != "tanh" or node.dtype != np.float32 or not _bias_rows(m, b, out):
+        return None
+    fn, cols = library().gl_bias_gelu_tanh, node.shape[-1]
+    return split_calls(lambda lo, hi: functools.partial(fn, ptr(m), ptr(b), ptr(out), cols, lo, hi, GELU_A, GELU_B),
+                       node.size // cols, cols, (m, b, out))
+
+
+@native_kernel("bias_gelu_backward", rounds_own_way=lambda node: node.attrs["approximate"] == "tanh")
+def _bias_gelu_backward(node, out, ins, scratch):
+    m, b, g = ins
+    if node.attrs["approximate"] != "tanh" or node.dtype != np.float32 or not _bias_rows(m, b, g, out):
+        return None
+    fn, cols = library().gl_bias_gelu_tanh_backward, node.shape[-1]
+    return split_calls(lambda lo, hi: functools.partial(fn, ptr(m), ptr(b), ptr(g), ptr(out), cols, lo, hi,
+                                                         GELU_A, GELU_B, GELU_DA, GELU_DB),
+                       node.size // cols, cols, (m, b, g, out))
 
 
 # == memory-bound ops: add and multiply, sums over outer axes, strided copies ================================

@@ -9,6 +9,7 @@ from graphlm.ir import Graph, Tensor
 from .affine_grads import AFFINE_GRADS
 from .attention_softmax import ATTENTION_SOFTMAX
 from .bias_dropout_add import BIAS_DROPOUT_ADD
+from .bias_gelu import BIAS_GELU
 from .dropout_masks import DROPOUT_MASKS
 from .kept_values import KEPT_STATISTICS, KEPT_VALUES
 from .matmul_sum import MATMUL_SUM
@@ -21,8 +22,8 @@ _PLANNED = (MATMUL_SUM, SLICE_GRADIENTS, ATTENTION_SOFTMAX, DROPOUT_MASKS)   # b
 PIPELINES: dict[str, tuple[Pass, ...]] = {
     "none": (),
     "numpy": _PLANNED + (KEPT_VALUES,),
-    # kept_values without the GELU's sigmoid (kept_values.py says why); then three rewrites for C kernels
-    "native": _PLANNED + (KEPT_STATISTICS, AFFINE_GRADS, BIAS_DROPOUT_ADD, MERGED_HEADS),
+    # kept_values without the GELU's sigmoid (kept_values.py says why); then four rewrites for C kernels
+    "native": _PLANNED + (KEPT_STATISTICS, AFFINE_GRADS, BIAS_DROPOUT_ADD, BIAS_GELU, MERGED_HEADS),
 }
 
 
