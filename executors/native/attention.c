@@ -74,10 +74,46 @@ const int64_t gl_attention_plan_arrays = PLAN_ARRAYS, gl_attention_strided = STR
 #define PACK_FLOATS 65536   /* per thread: one matrix's k (or v) transposed, t x d floats */
 static _Thread_local float pack[PACK_FLOATS];
 
-/* x [rows, cols] at row stride ld, transposed into xt [cols, rows] (contiguous) */
+#if defined(__AVX512F__) && defined(__FMA__)   /* (kernels.h's intrinsics) */
+/* 16 x 16 floats (rows ld apart) transposed into xt (rows ldt apart) in registers: pairs of
+ * rows interleaved, then pairs of pairs, then 128-bit quarters twice (a scalar loop took 2.3 us
+ * of a 128 x 32 matrix, four times these) */
+static inline void transpose16(const float *x, int64_t ld, float *xt, int64_t ldt) {
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(x + i * ld);
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int h = 0; h < 16; h += 8)
+        for (int i = 0; i < 4; i++) {
+            t[h + i] = _mm512_shuffle_f32x4(r[h + i], r[h + 4 + i], 0x88);
+            t[h + 4 + i] = _mm512_shuffle_f32x4(r[h + i], r[h + 4 + i], 0xDD);
+        }
+    for (int i = 0; i < 8; i++) {
+        _mm512_storeu_ps(xt + i * ldt, _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88));
+        _mm512_storeu_ps(xt + (8 + i) * ldt, _mm512_shuffle_f32x4(t[i], t[8 + i], 0xDD));
+    }
+}
+#endif
+
+/* x [rows, cols] at row stride ld, transposed into xt [cols, rows] (contiguous): 16 x 16 blocks
+ * in registers where AVX-512 has them, the rest element by element */
 static void transpose_into(const float *x, int64_t rows, int64_t cols, int64_t ld, float *xt) {
-    for (int64_t i = 0; i < rows; i++)
-        for (int64_t j = 0; j < cols; j++) xt[j * rows + i] = x[i * ld + j];
+    int64_t i0 = 0, j0 = 0;
+#if defined(__AVX512F__) && defined(__FMA__)
+    i0 = rows / 16 * 16, j0 = cols / 16 * 16;
+    for (int64_t i = 0; i < i0; i += 16)
+        for (int64_t j = 0; j < j0; j += 16) transpose16(x + i * ld + j, ld, xt + j * rows + i, rows);
+#endif
+    for (int64_t i = 0; i < rows; i++)   /* the edges: rows past i0, or columns past j0 */
+        for (int64_t j = i < i0 ? j0 : 0; j < cols; j++) xt[j * rows + i] = x[i * ld + j];
 }
 
 /* An attention plan's product c = op(a) @ b (ta: a stored [k, m], rows lda apart). Where the plan
@@ -161,11 +197,42 @@ static void add_product(const int64_t *plan, int64_t m, int64_t n, int64_t k, co
         for (int64_t j = 0; j < n; j++) out[i * ldo + j] += tmp[i * n + j];
 }
 
+/* dd[i] = (g[i] . o[i]) / l[i] for the rows [0, t) of g and o (d floats each, rows ldg and ldo
+ * apart): each dot from 0 over j in order, each product rounded first. Where AVX-512 has them,
+ * 16 rows side by side, one per lane, their products turned into columns (transpose16): a row
+ * alone is a chain of d dependent adds. */
+static void rows_dot_over(const float *g, int64_t ldg, const float *o, int64_t ldo, const float *l, int64_t t,
+                          int64_t d, float *dd) {
+    int64_t i = 0;
+#if defined(__AVX512F__) && defined(__FMA__)
+    if (d % 16 == 0) {
+        float prod[256], cols[256];
+        for (; i + 16 <= t; i += 16) {
+            __m512 acc = _mm512_setzero_ps();
+            for (int64_t j0 = 0; j0 < d; j0 += 16) {
+                for (int r = 0; r < 16; r++)
+                    _mm512_storeu_ps(prod + 16 * r, _mm512_mul_ps(_mm512_loadu_ps(g + (i + r) * ldg + j0),
+                                                                  _mm512_loadu_ps(o + (i + r) * ldo + j0)));
+                transpose16(prod, 16, cols, 16);
+                for (int j = 0; j < 16; j++) acc = _mm512_add_ps(acc, _mm512_loadu_ps(cols + 16 * j));
+            }
+            _mm512_storeu_ps(dd + i, _mm512_div_ps(acc, _mm512_loadu_ps(l + i)));
+        }
+    }
+#endif
+    for (; i < t; i++) {
+        float acc = 0.0f;
+        for (int64_t j = 0; j < d; j++) acc += g[i * ldg + j] * o[i * ldo + j];
+        dd[i] = acc / l[i];
+    }
+}
+
 /* Backward from the kept E and l, arrays q, k, v, o, g, E, l, out (dq, dk, dv: the node's
  * [3, ...] output), ds (a score buffer), gs, tmp (t x d per matrix), dd (t per matrix):
- *   dd = rowsum(g*o) / l,  gs = g / l,  per block: ds = (gs @ v^T - dd) * E (gl_softmax_ds_block),
- *   dq = ds @ k;  dk = the sum over blocks of ds^T @ q, dv of E^T @ gs (the last block writes,
- *   the others add, from the last to the first);  dq, dk times the scale. */
+ *   dd = rowsum(g*o) / l (rows_dot_over),  gs = g / l,
+ *   per block: ds = (gs @ v^T - dd) * E (gl_softmax_ds_block),  dq = ds @ k;
+ *   dk = the sum over blocks of ds^T @ q, dv of E^T @ gs (the last block writes, the others add,
+ *   from the last to the first);  dq, dk times the scale. */
 void gl_causal_attention_backward(const int64_t *plan, int64_t m0, int64_t m1, float scale) {
     const int64_t t = plan[P_T], d = plan[P_D], nm = plan[P_M], nb = plan[P_NB];
     const int64_t *ld = plan + P_LD, *bound = plan + P_BOUNDS;
@@ -180,12 +247,9 @@ void gl_causal_attention_backward(const int64_t *plan, int64_t m0, int64_t m1, f
         float *dq = plan_array(plan, 7) + off[S_DQ], *dk = dq + nm * t * d, *dv = dk + nm * t * d;
         float *gs = plan_array(plan, 9) + m * t * d, *tmp = plan_array(plan, 10) + m * t * d;
         float *dd = plan_array(plan, 11) + m * t;
-        for (int64_t i = 0; i < t; i++) {
-            float acc = 0.0f;
-            for (int64_t j = 0; j < d; j++) acc += gm[i * ld[3] + j] * om[i * ldo + j];
-            dd[i] = acc / lm[i];
+        rows_dot_over(gm, ld[3], om, ldo, lm, t, d, dd);
+        for (int64_t i = 0; i < t; i++)
             for (int64_t j = 0; j < d; j++) gs[i * d + j] = gm[i * ld[3] + j] / lm[i];
-        }
         const float *vt = transposed_once(plan, vm, ld[2]);
         for (int64_t b = nb - 1; b >= 0; b--) {
             int64_t r0 = bound[b], r1 = bound[b + 1], last = b == nb - 1;

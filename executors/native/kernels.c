@@ -13,8 +13,12 @@ void gl_exp(const float *x, float *y, int64_t n) {
 /* tanh GELU (graphlm.ops' GELU note): s = 1 / (exp((x*x*a + b)*x) + 1), y = x*s, and its
  * derivative d = (1 - s)*s*x*(x*x*da + db) + s, the input gradient g*d. One expression each, for
  * every GELU kernel below. */
-static inline float gelu_sigmoid(float x, float a, float b) { return 1.0f / (exp_f32((x * x * a + b) * x) + 1.0f); }
-static inline float gelu_slope(float x, float s, float da, float db) { return (1.0f - s) * s * x * (x * x * da + db) + s; }
+static inline float gelu_sigmoid(float x, float a, float b) {
+    return 1.0f / (exp_f32((x * x * a + b) * x) + 1.0f);
+}
+static inline float gelu_slope(float x, float s, float da, float db) {
+    return (1.0f - s) * s * x * (x * x * da + db) + s;
+}
 
 /* y = x*s; s kept when `keep` is not NULL, for the backward. */
 void gl_gelu_tanh(const float *x, float *y, float *keep, int64_t n, float a, float b) {
