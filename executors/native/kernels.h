@@ -95,6 +95,23 @@ static inline float row_dot(const float *x, const float *y, int64_t n) {
     return s;
 }
 
+/* The largest of x[0, n) (NaN skipped; -inf where none): LANES running maxima, the tail taken
+ * into them, then their largest (with AVX-512 in registers, a masked tail and a shuffle tree). A
+ * max is exact in any order: only which zero a row of +0 and -0 gives can depend on it, and
+ * x - max is the same for both. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline float row_max(const float *x, int64_t n) {
+    __m512 acc = _mm512_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) acc = _mm512_max_ps(_mm512_loadu_ps(x + i), acc);   /* (NaN x: acc) */
+    if (i < n) {
+        const __mmask16 tail = (__mmask16)((1u << (n - i)) - 1u);
+        acc = _mm512_mask_max_ps(acc, tail, _mm512_maskz_loadu_ps(tail, x + i), acc);
+    }
+    return _mm512_reduce_max_ps(acc);
+}
+#else
 static inline float row_max(const float *x, int64_t n) {
     float acc[LANES];
     for (int j = 0; j < LANES; j++) acc[j] = -INFINITY;
@@ -106,6 +123,7 @@ static inline float row_max(const float *x, int64_t n) {
     for (int j = 0; j < LANES; j++) m = acc[j] > m ? acc[j] : m;
     return m;
 }
+#endif
 
 /* row_sum of `rows` <= LANES rows at once (row r: n[r] floats at x + r * ld) into out[r], each
  * in row_sum's order: its lane sums over whole chunks, its tail from 0, then the lanes one by
