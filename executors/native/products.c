@@ -43,56 +43,50 @@ void gl_sgemm(int64_t sgemm, int64_t width, int ta, int tb, int64_t m, int64_t n
  * sai = 1 for a transposed view (a weight gradient's g^T). A block starts its chains from 0, or
  * with `more` from the values in o (a large product's next run of p: the same chains, stopped and
  * resumed). The blocks are always inlined into nn_rows' callers, each compiled for its constants. */
+#if AVX2_BLOCKS || (defined(__AVX512F__) && defined(__FMA__))
+#include <immintrin.h>
+/* The same chains in vector registers by name. GCC vectorised the plain C below for AVX2 at 3-40
+ * GFLOP/s (a 16-wide block not at all; these run a 6 x 16 block at 85-88 on one Zen 3 core),
+ * and for AVX-512 with the accumulators in registers but stored through the stack in 32-byte
+ * halves (a quarter of an attention product of k = 32, its chains being short). b's W / VL
+ * vectors of row p are loaded once for the R rows (GCC keeps each load for all of them). */
 #if AVX2_BLOCKS
-#include <immintrin.h>
-/* The same chains in AVX2 registers by name: GCC vectorised the loops above for AVX2 at 3-40
- * GFLOP/s (a 16-wide block not at all), these run a 6 x 16 block at 85-88 (one Zen 3 core). b's
- * W/8 vectors of row p are loaded once for the R rows. */
+typedef __m256 vec;
+#define VL 8
+#define VEC_LOAD _mm256_loadu_ps
+#define VEC_STORE _mm256_storeu_ps
+#define VEC_ZERO _mm256_setzero_ps
+#define VEC_SET1 _mm256_set1_ps
+#define VEC_FMADD _mm256_fmadd_ps
+#define NN_PREFETCH(bp, ldb, W) __builtin_prefetch((bp) + ((ldb) <= 32 ? 16 : 8) * (ldb))   /* a panel's row ahead */
+#else
+typedef __m512 vec;
+#define VL 16
+#define VEC_LOAD _mm512_loadu_ps
+#define VEC_STORE _mm512_storeu_ps
+#define VEC_ZERO _mm512_setzero_ps
+#define VEC_SET1 _mm512_set1_ps
+#define VEC_FMADD _mm512_fmadd_ps
+#define NN_PREFETCH(bp, ldb, W)                 /* the next block */                            \
+    for (int j_ = 0; j_ < (W); j_ += 16) __builtin_prefetch((bp) + (W) + j_)
+#endif
 #define NN_BLOCK(R, W)                                                                          \
     static inline __attribute__((always_inline)) void nn_block_##R##x##W(const float *a,        \
             const float *b, float *o, int64_t k, int64_t sai, int64_t sap, int64_t ldb, int64_t ldo, \
             int more) {                                                                         \
-        __m256 acc[R][W / 8];                                                                   \
+        vec acc[R][W / VL];                                                                     \
         for (int r = 0; r < R; r++)                                                             \
-            for (int v = 0; v < W / 8; v++)                                                     \
-                acc[r][v] = more ? _mm256_loadu_ps(o + r * ldo + 8 * v) : _mm256_setzero_ps();  \
+            for (int v = 0; v < W / VL; v++) acc[r][v] = more ? VEC_LOAD(o + r * ldo + VL * v) : VEC_ZERO(); \
         for (int64_t p = 0; p < k; p++) {                                                       \
             const float *bp = b + p * ldb;                                                      \
-            __builtin_prefetch(bp + (ldb <= 32 ? 16 : 8) * ldb); /* a panel's row 16 ahead */   \
-            __m256 bv[W / 8];                                                                   \
-            for (int v = 0; v < W / 8; v++) bv[v] = _mm256_loadu_ps(bp + 8 * v);                \
+            NN_PREFETCH(bp, ldb, W);                                                            \
             for (int r = 0; r < R; r++) {                                                       \
-                __m256 ar = _mm256_broadcast_ss(a + r * sai + p * sap);                         \
-                for (int v = 0; v < W / 8; v++) acc[r][v] = _mm256_fmadd_ps(ar, bv[v], acc[r][v]); \
+                const vec ar = VEC_SET1(a[r * sai + p * sap]);                                  \
+                for (int v = 0; v < W / VL; v++) acc[r][v] = VEC_FMADD(ar, VEC_LOAD(bp + VL * v), acc[r][v]); \
             }                                                                                   \
         }                                                                                       \
         for (int r = 0; r < R; r++)                                                             \
-            for (int v = 0; v < W / 8; v++) _mm256_storeu_ps(o + r * ldo + 8 * v, acc[r][v]);   \
-    }
-#elif defined(__AVX512F__) && defined(__FMA__)
-#include <immintrin.h>
-/* The same chains in AVX-512 registers by name. GCC vectorised the plain C below with the
- * accumulators in registers, but stored them through the stack in 32-byte halves: a quarter of
- * the time of an attention product of k = 32 (its blocks' chains are short). */
-#define NN_BLOCK(R, W)                                                                          \
-    static inline __attribute__((always_inline)) void nn_block_##R##x##W(const float *a,        \
-            const float *b, float *o, int64_t k, int64_t sai, int64_t sap, int64_t ldb, int64_t ldo, \
-            int more) {                                                                         \
-        __m512 acc[R][W / 16];                                                                  \
-        for (int r = 0; r < R; r++)                                                             \
-            for (int v = 0; v < W / 16; v++)                                                    \
-                acc[r][v] = more ? _mm512_loadu_ps(o + r * ldo + 16 * v) : _mm512_setzero_ps(); \
-        for (int64_t p = 0; p < k; p++) {                                                       \
-            const float *bp = b + p * ldb;                                                      \
-            for (int j = 0; j < W; j += 16) __builtin_prefetch(bp + W + j); /* the next block */ \
-            for (int r = 0; r < R; r++) {                                                       \
-                const __m512 ar = _mm512_set1_ps(a[r * sai + p * sap]);                         \
-                for (int v = 0; v < W / 16; v++)                                                \
-                    acc[r][v] = _mm512_fmadd_ps(ar, _mm512_loadu_ps(bp + 16 * v), acc[r][v]);   \
-            }                                                                                   \
-        }                                                                                       \
-        for (int r = 0; r < R; r++)                                                             \
-            for (int v = 0; v < W / 16; v++) _mm512_storeu_ps(o + r * ldo + 16 * v, acc[r][v]); \
+            for (int v = 0; v < W / VL; v++) VEC_STORE(o + r * ldo + VL * v, acc[r][v]);        \
     }
 #else
 #define NN_BLOCK(R, W)                                                                          \
