@@ -207,6 +207,24 @@ def test_adds_products_sums_and_copies_in_c_give_numpys_bits(small_pieces, threa
 
 
 @pytest.mark.threads
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("shape", [(5, 10, 12), (3, 7, 40), (2, 9, 100)])
+def test_group_sums_cut_across_groups_give_numpys_bits(small_pieces, threads, shape):
+    """A sum over the middle axis of [G, R, C] (a QKV bias's gradient) cuts the groups' columns
+    laid end to end over the threads (gl_sum_rows): a piece may end inside one group and go on
+    into the next; each column still sums its rows in order from +0, the reference's bits."""
+    rng = np.random.default_rng(15)
+    g = gl.Graph("group_sums")
+    w = g.input("w", shape, np.float32)
+    feeds = {"w": rng.standard_normal(shape).astype(np.float32)}
+    feeds["w"][:, :, 1] = -0.0   # a column of -0 only: +0
+    _threads(threads)
+    prog, got, mid, want = run_all(g, [gl.sum(w, axis=1, keepdims=True)], feeds)
+    assert "sum" in prog.native_ops()
+    assert got[0].tobytes() == mid[0].tobytes() == want[0].tobytes()
+
+
+@pytest.mark.threads
 @pytest.mark.parametrize("threads", [1, 3])
 def test_a_residual_update_in_c_gives_the_patterns_bits(small_pieces, threads):
     """r + dropout(m + b) (m a product's rows, regrouped), fused by the native pipeline into one C

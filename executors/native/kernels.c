@@ -112,13 +112,16 @@ void gl_binary_rows(const float *x, const float *y, float *out, int64_t r0, int6
 
 #define SUM_BLOCK 512   /* columns summed together: their partial sums stay in L1 */
 
-/* columns [j0, j1) of out[g][j] = ((0 + x[g][0][j]) + x[g][1][j]) + ... + x[g][R-1][j], x
- * [G, R, C] contiguous: NumPy's add.reduce over the middle axis (it starts from its identity 0,
- * so -0 sums to +0, and adds the rows in order). */
-void gl_sum_rows(const float *x, float *out, int64_t groups, int64_t rows, int64_t cols, int64_t j0, int64_t j1) {
-    for (int64_t g = 0; g < groups; g++) {
+/* out[g][j] = ((0 + x[g][0][j]) + x[g][1][j]) + ... + x[g][R-1][j], x [G, R, C] contiguous: NumPy's
+ * add.reduce over the middle axis (it starts from its identity 0, so -0 sums to +0, and adds the
+ * rows in order), for the columns u in [u0, u1) of the groups laid end to end (column j of group
+ * g is u = g*C + j): a cut of that range gives a thread whole groups and at most two parts, and
+ * rows read whole cost less than the same bytes in half rows. */
+void gl_sum_rows(const float *x, float *out, int64_t groups, int64_t rows, int64_t cols, int64_t u0, int64_t u1) {
+    for (int64_t g = u0 / cols; g < groups && g * cols < u1; g++) {
         const float *xg = x + g * rows * cols;
         float *og = out + g * cols;
+        const int64_t j0 = u0 > g * cols ? u0 - g * cols : 0, j1 = u1 < (g + 1) * cols ? u1 - g * cols : cols;
         for (int64_t b0 = j0; b0 < j1; b0 += SUM_BLOCK) {
             int64_t b1 = j1 - b0 < SUM_BLOCK ? j1 : b0 + SUM_BLOCK;
             float acc[SUM_BLOCK];

@@ -181,9 +181,9 @@ def _sum(node, out, ins, scratch):
         return None
     groups, rows = math.prod(x.shape[:axes[0]]), math.prod(x.shape[axes[0]:axes[-1] + 1])
     cols = math.prod(x.shape[axes[-1] + 1:])
-    fn = library().gl_sum_rows
+    fn = library().gl_sum_rows   # (its columns: the groups' laid end to end)
     return split_calls(lambda lo, hi: functools.partial(fn, ptr(x), ptr(out), groups, rows, cols, lo, hi),
-                       cols, groups * rows, (x, out))
+                       groups * cols, rows, (x, out))
 
 
 @native_kernel("affine_grads")
