@@ -6,7 +6,7 @@ reads r, m, b and the mask once. The same three roundings in order, so no bit ch
 in the native pipeline only: its C kernel is what makes the one pass cheaper."""
 from __future__ import annotations
 
-from .rewrite import Pass, Rule
+from .rewrite import Pass, Rule, bias_add, regrouped
 
 
 def _dropped_bias_add(t, ctx):
@@ -15,16 +15,11 @@ def _dropped_bias_add(t, ctx):
     if t.op != "dropout_apply" or not ctx.private(t):
         return None
     x, keep = t.inputs
-    absorbed = [t]
-    if x.op == "reshape" and ctx.private(x) and x.inputs[0].shape[-1:] == x.shape[-1:]:
-        absorbed.append(x)
-        x = x.inputs[0]
-    if x.op != "add" or not ctx.private(x):
+    h = regrouped(x)
+    found = bias_add(h)
+    if found is None or not ctx.private(h) or not ctx.private(x):
         return None
-    for m, b in (x.inputs, x.inputs[::-1]):
-        if m.shape == x.shape and b.shape == x.shape[-1:]:
-            return m, b, keep, absorbed + [x]
-    return None
+    return (*found, keep, [t, h] if h is x else [t, x, h])
 
 
 def _fuse(node, ctx):
@@ -38,10 +33,8 @@ def _fuse(node, ctx):
         return None
     m, b, keep, absorbed = found
     ctx.absorb(*absorbed)
-    mv = ctx.new(m)
-    if m.shape != node.shape:   # (rows regrouped: a view)
-        mv = ctx.emit("reshape", (mv,), shape=node.shape)
-    return ctx.emit("bias_dropout_add", (ctx.new(r), mv, ctx.new(b), ctx.new(keep)), p=dropped.attrs["p"])
+    return ctx.emit("bias_dropout_add", (ctx.new(r), ctx.new_as(m, node.shape), ctx.new(b), ctx.new(keep)),
+                    p=dropped.attrs["p"])
 
 
 BIAS_DROPOUT_ADD = Pass("bias_dropout_add", (Rule("a residual add of a dropped-out biased product", ("add",), _fuse),),

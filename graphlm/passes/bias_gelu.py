@@ -11,15 +11,16 @@ same pass did not pay: its rows must be summed in order, so its threads take col
 half rows from memory cost as much as whole ones.)"""
 from __future__ import annotations
 
-from .rewrite import Pass, Rule
+from .rewrite import Pass, Rule, bias_add, regrouped
 
 
 def _biased(x, ctx):
     """(m, b, the add and reshape) where `x` is m + b, b along the last axis (read through a
     reshape that keeps the last axis), and every reader of the sum is a GELU or the x of a GELU
     backward (a reshape between read by them only); None otherwise."""
-    h = x.inputs[0] if x.op == "reshape" and x.shape[-1:] == x.inputs[0].shape[-1:] else x
-    if h.op != "add" or h.dtype.name != "float32" or ctx.uses(h) != len(ctx.readers(h)):
+    h = regrouped(x)
+    found = bias_add(h)
+    if found is None or h.dtype.name != "float32" or ctx.uses(h) != len(ctx.readers(h)):   # (not an output)
         return None
     readers = ctx.readers(h)
     if x is not h:
@@ -28,10 +29,7 @@ def _biased(x, ctx):
         readers = ctx.readers(x)
     if not all(r.op == "gelu" or (r.op == "gelu_backward" and r.inputs[1] is not x) for r in readers):
         return None
-    for m, b in (h.inputs, h.inputs[::-1]):
-        if m.shape == h.shape and b.shape == h.shape[-1:]:
-            return m, b, [h] if x is h else [x, h]
-    return None
+    return (*found, [h] if x is h else [x, h])
 
 
 def _fuse(node, ctx):
@@ -41,11 +39,8 @@ def _fuse(node, ctx):
     m, b, absorbed = found
     if node.op == "gelu":
         ctx.absorb(*absorbed)
-    mv = ctx.new(m)
-    if mv.shape != node.shape:   # (rows regrouped: a view)
-        mv = ctx.emit("reshape", (mv,), shape=node.shape)
     fused = "bias_gelu" if node.op == "gelu" else "bias_gelu_backward"
-    return ctx.emit(fused, (mv, ctx.new(b)) + tuple(ctx.new(g) for g in node.inputs[1:]),
+    return ctx.emit(fused, (ctx.new_as(m, node.shape), ctx.new(b)) + tuple(ctx.new(g) for g in node.inputs[1:]),
                     approximate=node.attrs["approximate"])
 
 

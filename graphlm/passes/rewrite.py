@@ -11,8 +11,10 @@ dtype inferred again by its op's rule where an input's changed. Nodes a replacem
 redundant (the intermediates it absorbed) are left dead and dropped at the end, so a rule only
 builds what it replaces; so is a leaf no node reads any more (from the graph's tables too).
 Rules see the source graph (`Context.uses`, `Context.private`) and build in the new one
-(`Context.new`, `Context.emit`, `Context.copy`). Which forward node's VJP made each backward
-node (`Graph.forward_partner`) carries over.
+(`Context.new`, `Context.new_as`, `Context.emit`, `Context.copy`). Which forward node's VJP made
+each backward node (`Graph.forward_partner`) carries over. Two matchers several passes share sit
+here too: `regrouped` (a reshape that keeps the last axis) and `bias_add` (m + b, b along the
+last axis).
 """
 from __future__ import annotations
 
@@ -126,11 +128,34 @@ class Context:
             return self.emit("slice", (flat,), index=index, kept=kept)
         return self.emit("reshape", (self.emit("slice", (flat,), index=index),), shape=tuple(shape), kept=kept)
 
+    def new_as(self, node: Tensor, shape) -> Tensor:
+        """`node`'s new tensor with its rows regrouped to `shape` (a reshape view) where the rule
+        read it through such a reshape (`regrouped`)."""
+        t = self.new(node)
+        return t if t.shape == tuple(shape) else self.emit("reshape", (t,), shape=tuple(shape))
+
     def copy(self, node: Tensor, attrs: dict | None = None) -> Tensor:
         """`node` (a source node, not a leaf) in the new graph on its inputs' new tensors, with
         `attrs` instead of its own if given: its name kept, its shape and dtype inferred again
         where an input or an attribute changed (not marked as made by the pass)."""
         return _copy(self.graph, node, [self.new(i) for i in node.inputs], attrs)
+
+
+# -- what several passes' rules match ---------------------------------------------------------------
+def regrouped(x: Tensor) -> Tensor:
+    """What `x` reads where it is a reshape that keeps the last axis (the rows regrouped, as a
+    product's [B*T, C] read as [B, T, C]); else `x` itself."""
+    return x.inputs[0] if x.op == "reshape" and x.inputs[0].shape[-1:] == x.shape[-1:] else x
+
+
+def bias_add(node: Tensor) -> tuple[Tensor, Tensor] | None:
+    """(m, b) where `node` is m + b (either order) with b along m's last axis; else None."""
+    if node.op != "add":
+        return None
+    for m, b in (node.inputs, node.inputs[::-1]):
+        if m.shape == node.shape and b.shape == node.shape[-1:]:
+            return m, b
+    return None
 
 
 def needed(outputs: Sequence[Tensor]) -> list[Tensor]:
