@@ -161,8 +161,9 @@ static float *score_block(float *e, const int64_t *plan, int64_t b, int64_t m) {
     return e + plan[P_M] * before + m * (bound[b + 1] - bound[b]) * bound[b + 1];
 }
 
-/* Forward, arrays q, k, v, o, E, l (t per matrix), qs (q * scale): per query block
- * E = exp(qs @ k^T - rowmax) under the causal mask (gl_causal_softmax_block), l = rowsum(E),
+/* Forward, arrays q, k, v, o, E, l (t per matrix), qs (q * scale, t x d: the scratch of the
+ * range's first matrix m0, reused for each of its matrices, so that it stays in cache): per query
+ * block E = exp(qs @ k^T - rowmax) under the causal mask (gl_causal_softmax_block), l = rowsum(E),
  * o = E @ v; then o /= l. */
 void gl_causal_attention(const int64_t *plan, int64_t m0, int64_t m1, float scale) {
     const int64_t t = plan[P_T], d = plan[P_D], nb = plan[P_NB], *ld = plan + P_LD, *bound = plan + P_BOUNDS;
@@ -172,7 +173,7 @@ void gl_causal_attention(const int64_t *plan, int64_t m0, int64_t m1, float scal
         const float *qm = plan_array(plan, 0) + off[S_Q], *km = plan_array(plan, 1) + off[S_K];
         const float *vm = plan_array(plan, 2) + off[S_V];
         float *om = plan_array(plan, 3) + off[S_O], *e = plan_array(plan, 4);
-        float *lm = plan_array(plan, 5) + m * t, *qsm = plan_array(plan, 6) + m * t * d;
+        float *lm = plan_array(plan, 5) + m * t, *qsm = plan_array(plan, 6) + m0 * t * d;
         for (int64_t i = 0; i < t; i++)
             for (int64_t j = 0; j < d; j++) qsm[i * d + j] = qm[i * ld[0] + j] * scale;
         const float *kt = transposed_once(plan, km, ld[1]);
@@ -228,7 +229,10 @@ static void rows_dot_over(const float *g, int64_t ldg, const float *o, int64_t l
 }
 
 /* Backward from the kept E and l, arrays q, k, v, o, g, E, l, out (dq, dk, dv: the node's
- * [3, ...] output), ds (a score buffer), gs, tmp (t x d per matrix), dd (t per matrix):
+ * [3, ...] output), and scratch ds (a score buffer), gs, tmp (t x d per matrix), dd (t per matrix),
+ * of which a range of matrices uses its first matrix's (m0's) alone, rewritten for each matrix:
+ * scratch that stays in cache (a score buffer per matrix made the backward a quarter slower,
+ * its blocks written back to memory unread) and that no other range touches:
  *   dd = rowsum(g*o) / l (rows_dot_over),  gs = g / l,
  *   per block: ds = (gs @ v^T - dd) * E (gl_softmax_ds_block),  dq = ds @ k;
  *   dk = the sum over blocks of ds^T @ q, dv of E^T @ gs (the last block writes, the others add,
@@ -245,15 +249,15 @@ void gl_causal_attention_backward(const int64_t *plan, int64_t m0, int64_t m1, f
         const float *lm = plan_array(plan, 6) + m * t;
         float *ds = plan_array(plan, 8);
         float *dq = plan_array(plan, 7) + off[S_DQ], *dk = dq + nm * t * d, *dv = dk + nm * t * d;
-        float *gs = plan_array(plan, 9) + m * t * d, *tmp = plan_array(plan, 10) + m * t * d;
-        float *dd = plan_array(plan, 11) + m * t;
+        float *gs = plan_array(plan, 9) + m0 * t * d, *tmp = plan_array(plan, 10) + m0 * t * d;
+        float *dd = plan_array(plan, 11) + m0 * t;
         rows_dot_over(gm, ld[3], om, ldo, lm, t, d, dd);
         for (int64_t i = 0; i < t; i++)
             for (int64_t j = 0; j < d; j++) gs[i * d + j] = gm[i * ld[3] + j] / lm[i];
         const float *vt = transposed_once(plan, vm, ld[2]);
         for (int64_t b = nb - 1; b >= 0; b--) {
             int64_t r0 = bound[b], r1 = bound[b + 1], last = b == nb - 1;
-            float *s = score_block(ds, plan, b, m);
+            float *s = score_block(ds, plan, b, m0);
             const float *x = score_block((float *)e, plan, b, m);
             plan_product_nt(plan, r1 - r0, r1, d, gs + r0 * d, d, vm, ld[2], vt, s, r1);
             gl_softmax_ds_block(s, x, dd + r0, 1, r1 - r0, r1, 0);
