@@ -362,9 +362,9 @@ def cache_write(node, cache, value, pos):
 # -- the executor ---------------------------------------------------------------------------------------
 # -- ops the graph passes produce (graphlm/ops.py, "ops the graph passes produce") ----------------
 @kernel("affine_grads")
-def affine_grads(node, g, x):
+def affine_grads(node, g, x, d=None):
     lead = tuple(range(g.ndim - 1))
-    return np.concatenate([np.sum(g * x, axis=lead), np.sum(g, axis=lead)])
+    return np.concatenate([np.sum(g * (x if d is None else x / d), axis=lead), np.sum(g, axis=lead)])
 
 
 @kernel("bias_gelu")

@@ -1785,20 +1785,31 @@ register("gelu_backward_sigmoid", _infer_gelu_backward_sigmoid,
 # --- affine_grads: the gradients of an affine map's weight and bias in one node -----------------
 # y = x * w + b with w and b along the last axis (a layer norm's affine): dw = sum(g * x) and
 # db = sum(g) over the leading axes, flat [dw, db] (each part a view); each sum rounds as the `sum`
-# op does, so the pattern's bits (made by graphlm/passes/affine_grads.py, which says why).
+# op does, so the pattern's bits (made by graphlm/passes/affine_grads.py, which says why). With a
+# third input d (one value per row, [..., 1]) x is divided by it where it is read: a layer norm's
+# xhat = xc / sv from the kept xc and sv (each quotient rounded as `div` rounds it), so that the
+# normalised input is never stored.
 def _infer_affine_grads(inputs, attrs):
-    g, x = inputs
+    g, x, *d = inputs
     _require_float(g, "g")
     if g.shape != x.shape or g.ndim < 2:
         raise ShapeError(f"expects g and x of one shape with at least 2 axes, got {fmt_shape(g.shape)} "
                          f"and {fmt_shape(x.shape)}")
+    if len(d) > 1 or (d and d[0].shape != x.shape[:-1] + (1,)):
+        raise ShapeError(f"expects at most one divisor d of shape {fmt_shape(x.shape[:-1] + (1,))} (one per row), "
+                         f"got {', '.join(fmt_shape(t.shape) for t in d)}")
     return (2 * g.shape[-1],), _same_dtype(inputs)
 
 
-register("affine_grads", _infer_affine_grads,
-         decompose=lambda g, x: concat([sum(g * x, _lead_axes(x)), sum(g, _lead_axes(x))], 0),
+def _affine_grads_decompose(g, x, d=None):
+    xs = x if d is None else x / d
+    return concat([sum(g * xs, _lead_axes(x)), sum(g, _lead_axes(x))], 0)
+
+
+register("affine_grads", _infer_affine_grads, decompose=_affine_grads_decompose,
          doc="[sum(g*x), sum(g)] over the leading axes, flat: an affine map's weight and bias gradients "
-             "(each sum the rows in order, as `sum`)", vjp_doc="through its decomposition")
+             "(each sum the rows in order, as `sum`); with d [..., 1]: x / d in place of x",
+         vjp_doc="through its decomposition")
 
 
 # --- bias_gelu / bias_gelu_backward: an MLP's first bias added where its GELU reads it ------------

@@ -318,6 +318,15 @@ def test_affine_grads_in_c_give_the_sums_bits(small_pieces, threads):
     assert "affine_grads" in prog.native_ops()
     for a, m, r in zip(got, mid, want):
         assert a.tobytes() == m.tobytes() == r.tobytes()
+    # v / d, d one value per row (a layer norm's xhat = xc / sv): divided where the C kernel reads v
+    d = g.input("d", (3, 7, 1), np.float32)
+    outputs = [gl.sum(u * (v / d), axis=(0, 1)), gl.sum(u, axis=(0, 1))]
+    feeds["d"] = rng.uniform(0.3, 3.0, (3, 7, 1)).astype(np.float32)
+    prog, got, mid, want = run_all(g, outputs, feeds)
+    (fused,) = [n for n in prog.graph.nodes if n.op == "affine_grads"]
+    assert len(fused.inputs) == 3 and "div" not in {n.op for n in prog.graph.nodes}
+    for a, m, r in zip(got, mid, want):
+        assert a.tobytes() == m.tobytes() == r.tobytes()
 
 
 def test_unpaired_layer_norm_backward_and_plain_gelu_backward():

@@ -2,6 +2,8 @@
 graph on the reference executor, the replacement map, the driver's checks and the pipelines."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -13,7 +15,7 @@ from graphlm.passes.attention_softmax import ATTENTION_SOFTMAX
 from graphlm.passes.bias_dropout_add import BIAS_DROPOUT_ADD
 from graphlm.passes.bias_gelu import BIAS_GELU
 from graphlm.passes.dropout_masks import DROPOUT_MASKS
-from graphlm.passes.kept_values import KEPT_VALUES
+from graphlm.passes.kept_values import KEPT_STATISTICS, KEPT_VALUES
 from graphlm.passes.matmul_sum import MATMUL_SUM
 from graphlm.passes.merged_heads import MERGED_HEADS
 from graphlm.passes.panel_weights import PANEL_WEIGHTS, panel_params
@@ -215,6 +217,42 @@ def test_affine_grads_is_a_layer_norms_weight_and_bias_gradient_in_one_node_bit_
     w64, b64 = g64.param("w", (6,), "float64"), g64.param("b", (6,), "float64")
     grads64 = gl.grad(gl.sum(gl.layer_norm(x64, w64, b64) ** 2), [w64, b64])
     assert "affine_grads" not in ops_of(passes.rewrite(g64, grads64, AFFINE_GRADS).graph)
+
+
+def test_the_native_pipeline_keeps_no_xhat_its_weight_gradient_divides_xc_by_sv_bit_for_bit():
+    """KEPT_STATISTICS keeps y, xc and sv only: the weight gradient's plain layer norm becomes
+    div(xc, sv), which affine_grads absorbs (affine_grads(g, xc, sv)); the bits of the source
+    graph, with either pass alone or both."""
+    g = gl.Graph("ln_no_xhat")
+    x = g.input("x", (3, 4, 6), "float32")
+    w, b = g.param("w", (6,), "float32"), g.param("b", (6,), "float32")
+    y = gl.layer_norm(x, w, b)
+    outputs = [y, *gl.grad(gl.sum(y * gl.tanh(y)), [x, w, b])]
+    rng = np.random.default_rng(9)
+    feeds = {"x": (rng.standard_normal((3, 4, 6)) * 2 + 1).astype(np.float32)}
+    state = {"w": rng.standard_normal(6).astype(np.float32), "b": rng.standard_normal(6).astype(np.float32)}
+    want = REF.compile(g, outputs).run(feeds, state)
+    kept = passes.rewrite(g, outputs, KEPT_STATISTICS)
+    (keep,) = [n for n in kept.graph.nodes if n.op == "layer_norm_keep"]
+    assert not keep.attrs["keep_xhat"] and keep.shape == (3 * 4 * 6 * 2 + 3 * 4,)   # y, xc, sv
+    (div,) = [n for n in kept.graph.nodes if n.op == "div"]
+    assert [i.shape for i in div.inputs] == [(3, 4, 6), (3, 4, 1)] and "layer_norm" not in ops_of(kept.graph)
+    both_ = passes.run_pipeline((KEPT_STATISTICS, AFFINE_GRADS), g, outputs)
+    assert "div" not in ops_of(both_.graph)
+    (fused,) = [n for n in both_.graph.nodes if n.op == "affine_grads"]
+    assert [i.shape for i in fused.inputs] == [(3, 4, 6), (3, 4, 6), (3, 4, 1)]
+    assert all(i.inputs[0].inputs[0].op == "layer_norm_keep" for i in fused.inputs[1:])   # xc and sv: its parts
+    for rw in (kept, both_):
+        for a, b_ in zip(REF.compile(rw.graph, rw.outputs).run(feeds, state), want):
+            assert a.tobytes() == b_.tobytes()
+
+
+def test_affine_grads_takes_one_divisor_per_row_and_names_a_wrong_one():
+    g = gl.Graph("affine_d")
+    u, d = g.input("u", (4, 5)), g.input("d", (4, 5))
+    with pytest.raises(gl.ir.ShapeError, match=re.escape(
+            "affine_grads in <root>: expects at most one divisor d of shape [4,1] (one per row), got [4,5]")):
+        gl.registry.apply("affine_grads", (u, u, d))
 
 
 def test_affine_grads_leaves_a_product_with_another_use_or_a_sum_without_its_bias():

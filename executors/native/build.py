@@ -60,7 +60,7 @@ SIGNATURES = {   # C function -> argument types (every function returns void)
     "gl_softmax_rows": (_P, _P, _I, _I),
     "gl_binary_rows": (_P, _P, _P, _I, _I, _I, _I, _I, _I),
     "gl_sum_rows": (_P, _P, _I, _I, _I, _I, _I),
-    "gl_affine_grads": (_P, _P, _P, _I, _I, _I, _I),
+    "gl_affine_grads": (_P, _P, _P, _P, _I, _I, _I, _I),
     "gl_copy_rows": (_P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I),
     "gl_gelu_tanh": (_P, _P, _P, _I, _F, _F),
     "gl_gelu_tanh_sigmoid": (_P, _P, _I, _F, _F),

@@ -137,18 +137,28 @@ void gl_sum_rows(const float *x, float *out, int64_t groups, int64_t rows, int64
 
 /* columns [j0, j1) of an affine map's weight and bias gradients over the rows of g and x [R, C]
  * (contiguous): out[j] = sum_i g[i][j] * x[i][j] and out[C + j] = sum_i g[i][j], each rounded as
- * gl_sum_rows sums (from 0, the rows in order; each product rounded first), in one pass. */
-void gl_affine_grads(const float *restrict g, const float *restrict x, float *restrict out, int64_t rows,
-                     int64_t cols, int64_t j0, int64_t j1) {
+ * gl_sum_rows sums (from 0, the rows in order; each product rounded first), in one pass. With d
+ * (one value per row, not NULL) x[i][j] / d[i] takes the place of x[i][j] (rounded first, as the
+ * layer norm's xhat = xc / sv is). */
+void gl_affine_grads(const float *restrict g, const float *restrict x, const float *restrict d, float *restrict out,
+                     int64_t rows, int64_t cols, int64_t j0, int64_t j1) {
     for (int64_t b0 = j0; b0 < j1; b0 += SUM_BLOCK) {
         int64_t b1 = j1 - b0 < SUM_BLOCK ? j1 : b0 + SUM_BLOCK;
         float ow[SUM_BLOCK], ob[SUM_BLOCK];
         for (int64_t j = 0; j < b1 - b0; j++) ow[j] = ob[j] = 0.0f;
         for (int64_t i = 0; i < rows; i++) {
             const float *gr = g + i * cols + b0, *xr = x + i * cols + b0;
-            for (int64_t j = 0; j < b1 - b0; j++) {
-                ow[j] += gr[j] * xr[j];
-                ob[j] += gr[j];
+            if (d) {
+                const float di = d[i];
+                for (int64_t j = 0; j < b1 - b0; j++) {
+                    ow[j] += gr[j] * (xr[j] / di);
+                    ob[j] += gr[j];
+                }
+            } else {
+                for (int64_t j = 0; j < b1 - b0; j++) {
+                    ow[j] += gr[j] * xr[j];
+                    ob[j] += gr[j];
+                }
             }
         }
         for (int64_t j = 0; j < b1 - b0; j++) {

@@ -188,14 +188,15 @@ def _sum(node, out, ins, scratch):
 
 @native_kernel("affine_grads")
 def _affine_grads(node, out, ins, scratch):
-    """An affine map's weight and bias gradients [sum(g*x), sum(g)] over the rows, in one pass."""
-    g, x = ins
-    if node.dtype != np.float32 or g.size == 0 or not native_arrays(g, x, out):
+    """An affine map's weight and bias gradients [sum(g*x), sum(g)] over the rows, in one pass (x
+    divided by the row's d where the node has d)."""
+    g, x, *d = ins
+    if node.dtype != np.float32 or g.size == 0 or not native_arrays(g, x, *d, out):
         return None
     cols = g.shape[-1]
-    fn = library().gl_affine_grads
-    return split_calls(lambda lo, hi: functools.partial(fn, ptr(g), ptr(x), ptr(out), g.size // cols, cols, lo, hi),
-                       cols, g.size // cols, (g, x, out))
+    fn, dp = library().gl_affine_grads, ptr(d[0]) if d else None
+    return split_calls(lambda lo, hi: functools.partial(fn, ptr(g), ptr(x), dp, ptr(out), g.size // cols, cols, lo, hi),
+                       cols, g.size // cols, (g, x, *d, out))
 
 
 def _rows_layout(x) -> tuple[int, ...] | None:

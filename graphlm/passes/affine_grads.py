@@ -4,7 +4,11 @@ over the leading axes (a layer norm's: layer_norm's VJP), as the two halves of o
 twice; the fused node reads g and x once. The weight's sum comes first in the VJP's order; the
 bias's sum, met later, becomes the view made then. Each sum rounds as the `sum` op (the rows in
 order, from 0), so the pass changes no bit. float32, in the native pipeline only: its C kernel
-is what makes the one pass cheaper (the numpy executor would compute the same two reductions)."""
+is what makes the one pass cheaper (the numpy executor would compute the same two reductions).
+
+Where x is a private ``div(xc, d)`` with d one value per row (the native kept_values pass's
+xhat = xc / sv of a layer norm), the division is absorbed too: ``affine_grads(g, xc, d)`` divides
+as it reads, the same quotients, so xhat is never stored."""
 from __future__ import annotations
 
 from .rewrite import Pass, Rule
@@ -23,6 +27,14 @@ def _made(node, ctx):
     return ctx.memo.get(("summed", node.id))
 
 
+def _per_row_quotient(x, ctx) -> bool:
+    """Whether `x` is ``div(xc, d)``, read only here, with d one value per row of xc."""
+    if x.op != "div" or not ctx.private(x):
+        return False
+    xc, d = x.inputs
+    return xc.shape == x.shape and d.shape == x.shape[:-1] + (1,) and xc.dtype == d.dtype == x.dtype
+
+
 def _affine(node, ctx):
     p = node.inputs[0]
     if not _over_rows(node) or p.op != "mul" or not ctx.private(p) or p.dtype.name != "float32" \
@@ -35,7 +47,11 @@ def _affine(node, ctx):
     else:
         return None
     ctx.absorb(p)
-    flat = ctx.emit("affine_grads", (ctx.new(g), ctx.new(x)))
+    if _per_row_quotient(x, ctx):
+        ctx.absorb(x)
+        flat = ctx.emit("affine_grads", (ctx.new(g), *(ctx.new(i) for i in x.inputs)))
+    else:
+        flat = ctx.emit("affine_grads", (ctx.new(g), ctx.new(x)))
     c = g.shape[-1]
     ctx.memo[("summed", bias.id)] = ctx.emit_part(flat, c, 2 * c, bias.shape)
     return ctx.emit_part(flat, 0, c, node.shape)

@@ -12,7 +12,8 @@ graph (its producer, its readers and its lifetime are the memory plan's like any
   ``layer_norm_keep`` (flat: y, xc = x - mean, sv = sqrt(var + eps), and xhat = xc / sv when a
   plain one reads it), whose parts are views; the backward becomes
   ``layer_norm_backward_kept(xc, sv, [w], g)`` (4 of its 17 passes saved) and the plain layer
-  norm the xhat view. Those nodes no longer read x, so x's buffer can die at the forward.
+  norm the xhat view (`KEPT_STATISTICS`: ``div(xc, sv)``, no xhat kept). Those nodes no longer
+  read x, so x's buffer can die at the forward.
 - a causal attention whose output feeds its own ``causal_attention_backward`` (the VJP gives it
   the forward's output): ``causal_attention_keep`` (flat: y, the scores E = exp(s - rowmax) in
   query blocks, the row sums l; views) and ``causal_attention_backward_kept(q, k, v, y, E, l, g)``,
@@ -56,18 +57,21 @@ def _plain(node) -> bool:
     return node.op == "layer_norm" and not node.attrs.get("has_weight") and not node.attrs.get("has_bias")
 
 
-def _layer_norm(node, ctx):
+def _layer_norm(node, ctx, keeps_xhat: bool = True):
+    """(keeps_xhat False: a later plain layer norm of x becomes xc / sv, no xhat kept.)"""
     x, eps = node.inputs[0], node.attrs["eps"]
     kept = ctx.memo.get(("layer norm", x.id, eps))
-    if kept is not None:   # a later plain layer norm of the same input: the kept xhat
-        return kept.get("xhat") if _plain(node) else None
+    if kept is not None:   # a later plain layer norm of the same input: the kept xhat, or xc / sv
+        if not _plain(node):
+            return None
+        return kept["xhat"] if "xhat" in kept else ctx.emit("div", (kept["xc"], kept["sv"]))
     if node.is_backward:
         return None
     users = [r for r in ctx.readers(x) if r.id > node.id and r.inputs[0] is x and r.attrs.get("eps") == eps
              and (r.op == "layer_norm_backward" or _plain(r))]
     if not users:
         return None
-    keep_xhat = any(_plain(u) for u in users)
+    keep_xhat = keeps_xhat and any(_plain(u) for u in users)
     flat = ctx.emit("layer_norm_keep", [ctx.new(i) for i in node.inputs], **node.attrs, keep_xhat=keep_xhat)
     parts = {name: ctx.emit_part(flat, a, b, sh, name != "y") for name, a, b, sh in layer_norm_keep_layout(x.shape, keep_xhat)}
     ctx.memo[("layer norm", x.id, eps)] = parts
@@ -127,12 +131,13 @@ _GELU_RULES = (
     Rule("tanh GELU with its backward", ("gelu",), _gelu),
     Rule("tanh GELU backward from the kept sigmoid", ("gelu_backward",), _gelu_backward),
 )
-_STATISTICS_RULES = (
-    Rule("layer norm with its backward", ("layer_norm",), _layer_norm),
-    Rule("layer norm backward from the kept statistics", ("layer_norm_backward",), _layer_norm_backward),
+_ATTENTION_RULES = (
     Rule("causal attention with its backward", ("causal_attention",), _attention),
     Rule("causal attention backward from the kept scores", ("causal_attention_backward",), _attention_backward),
 )
+_LN_BACKWARD_RULE = Rule("layer norm backward from the kept statistics", ("layer_norm_backward",), _layer_norm_backward)
+_STATISTICS_RULES = (Rule("layer norm with its backward", ("layer_norm",), _layer_norm), _LN_BACKWARD_RULE,
+                     *_ATTENTION_RULES)
 _STATISTICS_DOC = ("layer_norm(x) + layer_norm_backward(x, g) -> layer_norm_keep(x) parts + "
                    "layer_norm_backward_kept(xc, sv, g); causal_attention + its backward -> causal_attention_keep "
                    "parts + causal_attention_backward_kept(.., y, E, l, g)")
@@ -141,8 +146,14 @@ KEPT_VALUES = Pass("kept_values", _GELU_RULES + _STATISTICS_RULES,
                    doc="gelu(x) + gelu_backward(x, g) -> x * s + gelu_backward_sigmoid(x, g, s), s = gelu_sigmoid(x); "
                        + _STATISTICS_DOC)
 
-# The same pass without the GELU's rules, for an executor whose GELU backward recomputes s in the
-# one pass that reads x and g (the native executor's C exp: cheaper than writing s in the forward,
-# reading it back there and in the backward, and holding it between them). The same bits: s is
-# computed the same way in both places.
-KEPT_STATISTICS = Pass("kept_values", _STATISTICS_RULES, doc=_STATISTICS_DOC + " (the GELU recomputes its sigmoid)")
+# The native executor's: the same pass without the GELU's rules, as its GELU backward recomputes
+# s in the one pass that reads x and g (the C exp: cheaper than writing s in the forward, reading it
+# back there and in the backward, and holding it between them); and with no xhat kept: the weight
+# gradient's plain layer norm becomes xc / sv, which the affine_grads pass then divides where its
+# C kernel reads xc (one array fewer written by the forward and held until the backward). The same
+# bits: s and xhat are computed the same way in either place.
+KEPT_STATISTICS = Pass("kept_values", (
+    Rule("layer norm with its backward", ("layer_norm",),
+         lambda node, ctx: _layer_norm(node, ctx, keeps_xhat=False)),
+    _LN_BACKWARD_RULE, *_ATTENTION_RULES),
+    doc=_STATISTICS_DOC + " (the GELU recomputes its sigmoid; a plain layer norm of x is xc / sv)")
