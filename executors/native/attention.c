@@ -231,8 +231,8 @@ static void rows_dot_over(const float *g, int64_t ldg, const float *o, int64_t l
 /* Backward from the kept E and l, arrays q, k, v, o, g, E, l, out (dq, dk, dv: the node's
  * [3, ...] output), and scratch ds (a score buffer), gs, tmp (t x d per matrix), dd (t per matrix),
  * of which a range of matrices uses its first matrix's (m0's) alone, rewritten for each matrix:
- * scratch that stays in cache (a score buffer per matrix made the backward a quarter slower,
- * its blocks written back to memory unread) and that no other range touches:
+ * scratch that stays in cache (a block per matrix would be written back to memory unread) and
+ * that no other range touches:
  *   dd = rowsum(g*o) / l (rows_dot_over),  gs = g / l,
  *   per block: ds = (gs @ v^T - dd) * E (gl_softmax_ds_block),  dq = ds @ k;
  *   dk = the sum over blocks of ds^T @ q, dv of E^T @ gs (the last block writes, the others add,

@@ -24,6 +24,8 @@ graph (its producer, its readers and its lifetime are the memory plan's like any
 """
 from __future__ import annotations
 
+import functools
+
 from graphlm import ops
 from graphlm.ops import causal_attention_keep_layout, layer_norm_keep_layout
 
@@ -57,8 +59,7 @@ def _plain(node) -> bool:
     return node.op == "layer_norm" and not node.attrs.get("has_weight") and not node.attrs.get("has_bias")
 
 
-def _layer_norm(node, ctx, keeps_xhat: bool = True):
-    """(keeps_xhat False: a later plain layer norm of x becomes xc / sv, no xhat kept.)"""
+def _layer_norm(node, ctx, keeps_xhat: bool):
     x, eps = node.inputs[0], node.attrs["eps"]
     kept = ctx.memo.get(("layer norm", x.id, eps))
     if kept is not None:   # a later plain layer norm of the same input: the kept xhat, or xc / sv
@@ -131,18 +132,24 @@ _GELU_RULES = (
     Rule("tanh GELU with its backward", ("gelu",), _gelu),
     Rule("tanh GELU backward from the kept sigmoid", ("gelu_backward",), _gelu_backward),
 )
-_ATTENTION_RULES = (
-    Rule("causal attention with its backward", ("causal_attention",), _attention),
-    Rule("causal attention backward from the kept scores", ("causal_attention_backward",), _attention_backward),
-)
-_LN_BACKWARD_RULE = Rule("layer norm backward from the kept statistics", ("layer_norm_backward",), _layer_norm_backward)
-_STATISTICS_RULES = (Rule("layer norm with its backward", ("layer_norm",), _layer_norm), _LN_BACKWARD_RULE,
-                     *_ATTENTION_RULES)
+
+
+def _statistics_rules(keeps_xhat: bool) -> tuple[Rule, ...]:
+    """The layer norm's and the attention's rules; with keeps_xhat False the weight gradient's
+    plain layer norm becomes xc / sv instead of a kept xhat."""
+    return (
+        Rule("layer norm with its backward", ("layer_norm",), functools.partial(_layer_norm, keeps_xhat=keeps_xhat)),
+        Rule("layer norm backward from the kept statistics", ("layer_norm_backward",), _layer_norm_backward),
+        Rule("causal attention with its backward", ("causal_attention",), _attention),
+        Rule("causal attention backward from the kept scores", ("causal_attention_backward",), _attention_backward),
+    )
+
+
 _STATISTICS_DOC = ("layer_norm(x) + layer_norm_backward(x, g) -> layer_norm_keep(x) parts + "
                    "layer_norm_backward_kept(xc, sv, g); causal_attention + its backward -> causal_attention_keep "
                    "parts + causal_attention_backward_kept(.., y, E, l, g)")
 
-KEPT_VALUES = Pass("kept_values", _GELU_RULES + _STATISTICS_RULES,
+KEPT_VALUES = Pass("kept_values", _GELU_RULES + _statistics_rules(keeps_xhat=True),
                    doc="gelu(x) + gelu_backward(x, g) -> x * s + gelu_backward_sigmoid(x, g, s), s = gelu_sigmoid(x); "
                        + _STATISTICS_DOC)
 
@@ -152,8 +159,5 @@ KEPT_VALUES = Pass("kept_values", _GELU_RULES + _STATISTICS_RULES,
 # gradient's plain layer norm becomes xc / sv, which the affine_grads pass then divides where its
 # C kernel reads xc (one array fewer written by the forward and held until the backward). The same
 # bits: s and xhat are computed the same way in either place.
-KEPT_STATISTICS = Pass("kept_values", (
-    Rule("layer norm with its backward", ("layer_norm",),
-         lambda node, ctx: _layer_norm(node, ctx, keeps_xhat=False)),
-    _LN_BACKWARD_RULE, *_ATTENTION_RULES),
-    doc=_STATISTICS_DOC + " (the GELU recomputes its sigmoid; a plain layer norm of x is xc / sv)")
+KEPT_STATISTICS = Pass("kept_values", _statistics_rules(keeps_xhat=False),
+                       doc=_STATISTICS_DOC + " (the GELU recomputes its sigmoid; a plain layer norm of x is xc / sv)")
