@@ -464,11 +464,13 @@ def layer_norm_keep(node, *arrays):
 
 @kernel("layer_norm_backward_kept")
 def layer_norm_backward_kept(node, xc, sv, *rest):
+    rest, residual = (rest[:-1], rest[-1]) if node.attrs.get("residual") else (rest, None)
     w, g = (rest[0] if node.attrs["has_weight"] else None), rest[-1]
     r = _s(1.0, xc) / sv
     xhat = xc * r
     gh = g * w if w is not None else g
-    return r * (gh - np.mean(gh, axis=-1, keepdims=True) - xhat * np.mean(gh * xhat, axis=-1, keepdims=True))
+    dx = r * (gh - np.mean(gh, axis=-1, keepdims=True) - xhat * np.mean(gh * xhat, axis=-1, keepdims=True))
+    return dx if residual is None else residual + dx
 
 
 class ReferenceProgram(Program):

@@ -1864,16 +1864,24 @@ def _layer_norm_keep_decompose(*inputs, eps, has_weight, has_bias, keep_xhat):
 
 
 def _infer_layer_norm_backward_kept(inputs, attrs):
-    xc, sv = inputs[:2]
-    shape, dtype = _infer_norm([xc, *inputs[2:]], attrs)
+    xc, sv, *rest = inputs
+    if attrs.get("residual"):   # (a last input r: the residual gradient the result is added to)
+        if not rest or rest[-1].shape != xc.shape or rest[-1].dtype != xc.dtype:
+            got = f"{fmt_shape(rest[-1].shape)} {rest[-1].dtype}" if rest else "none"
+            raise ShapeError(f"residual gradient {got} does not match the input gradient "
+                             f"{fmt_shape(xc.shape)} {xc.dtype}")
+        rest = rest[:-1]
+    shape, dtype = _infer_norm([xc, *rest], attrs)
     if sv.shape != shape[:-1] + (1,):
         raise ShapeError(f"row scale {fmt_shape(sv.shape)} does not match {fmt_shape(shape)}")
     return shape, dtype
 
 
-def _layer_norm_backward_kept_decompose(xc, sv, *rest, eps, has_weight):
+def _layer_norm_backward_kept_decompose(xc, sv, *rest, eps, has_weight, residual=False):
+    rest, r = (rest[:-1], rest[-1]) if residual else (rest, None)
     w, g = (rest[0] if has_weight else None), rest[-1]
-    return _layer_norm_backward_from(xc, 1.0 / sv, g, w)
+    dx = _layer_norm_backward_from(xc, 1.0 / sv, g, w)
+    return dx if r is None else r + dx
 
 
 register("layer_norm_keep", _infer_layer_norm_keep, decompose=_layer_norm_keep_decompose,
@@ -1882,4 +1890,5 @@ register("layer_norm_keep", _infer_layer_norm_keep, decompose=_layer_norm_keep_d
          vjp_doc="through its decomposition")
 register("layer_norm_backward_kept", _infer_layer_norm_backward_kept, decompose=_layer_norm_backward_kept_decompose,
          doc="layer_norm_backward from the kept xc and sv: r*(gh - mean(gh) - xhat*mean(gh*xhat)), r = 1/sv, "
-             "xhat = xc*r, gh = g*w", vjp_doc="through its decomposition")
+             "xhat = xc*r, gh = g*w; with residual, a last input added to it (a residual stream's gradient)",
+         vjp_doc="through its decomposition")

@@ -329,6 +329,25 @@ def test_affine_grads_in_c_give_the_sums_bits(small_pieces, threads):
         assert a.tobytes() == m.tobytes() == r.tobytes()
 
 
+@pytest.mark.threads
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_residual_gradient_added_in_the_c_layer_norm_backward_gives_the_adds_bits(small_pieces, threads, monkeypatch):
+    """A pre-norm stack's input gradient, the residual gradient added where each norm's backward
+    writes (residual_norm_backward): the bits of the native pipeline without that pass."""
+    from tests.test_passes import _pre_norm_stack
+    g, outputs, feeds, state = _pre_norm_stack(shape=(3, 5, 40))
+    _threads(threads)
+    prog, got, _, want = run_all(g, outputs, feeds, state)
+    fused = [n for n in prog.graph.nodes if n.op == "layer_norm_backward_kept" and n.attrs.get("residual")]
+    assert len(fused) == 2 and "layer_norm_backward_kept" in prog.native_ops()
+    close32(got, want, "residual layer norm backward", rtol=1e-4, atol=1e-5)
+    monkeypatch.setitem(PIPELINES, "native", tuple(p for p in PIPELINES["native"] if p.name != "residual_norm_backward"))
+    apart = NATIVE.compile(g, outputs)
+    assert not any(n.attrs.get("residual") for n in apart.graph.nodes)
+    for a, b in zip(got, apart.run(feeds, state)):
+        assert a.tobytes() == b.tobytes()
+
+
 def test_unpaired_layer_norm_backward_and_plain_gelu_backward():
     """gl.grad of a graph whose forward is not computed: the backward kernels recompute."""
     rng = np.random.default_rng(3)

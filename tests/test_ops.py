@@ -318,11 +318,13 @@ def _t_layer_norm_keep(x, w, b, eps=1e-5):
     return torch.cat([p.reshape(-1) for p in (TF.layer_norm(x, x.shape[-1:], w, b, eps=eps), xc, sv, xc / sv)])
 
 
-def _layer_norm_backward_kept(x, w, g):
-    """layer_norm_backward_kept(xc, sv, w, g) with xc and sv the parts of a layer_norm_keep of x."""
+def _layer_norm_backward_kept(x, w, g, *r):
+    """layer_norm_backward_kept(xc, sv, w, g, [r]) with xc and sv the parts of a layer_norm_keep
+    of x (and r, a residual gradient, added when given)."""
     flat = apply("layer_norm_keep", (x,), eps=1e-5, has_weight=False, has_bias=False, keep_xhat=False)
     parts = {name: gl.reshape(flat[a:b], shape) for name, a, b, shape in layer_norm_keep_layout(x.shape, False)}
-    return apply("layer_norm_backward_kept", (parts["xc"], parts["sv"], w, g), eps=1e-5, has_weight=True)
+    return apply("layer_norm_backward_kept", (parts["xc"], parts["sv"], w, g, *r), eps=1e-5, has_weight=True,
+                 **({"residual": True} if r else {}))
 
 
 def _attention_keep_parts(q, k, scale, xp):
@@ -642,6 +644,9 @@ CASES = [
     Case("layer_norm_backward_kept", _layer_norm_backward_kept,
          [(F(*s), F(s[-1]), F(*s)) for s in NORM], np_layer_norm_backward,
          lambda x, w, g: tvjp(lambda t: TF.layer_norm(t, t.shape[-1:], w, eps=1e-5), x, g), fd_tol=1e-5),
+    Case("layer_norm_backward_kept_residual", _layer_norm_backward_kept,
+         [(F(*s), F(s[-1]), F(*s), F(*s)) for s in NORM[:2]], lambda x, w, g, r: r + np_layer_norm_backward(x, w, g),
+         lambda x, w, g, r: r + tvjp(lambda t: TF.layer_norm(t, t.shape[-1:], w, eps=1e-5), x, g), fd_tol=1e-5),
     Case("causal_attention_keep", _attention_keep, [(F(*s), F(*s), F(*s)) for s in ATTENTION_KEEP],
          lambda q, k, v: _attention_keep_ref(q, k, v, 0.6, 2, np), lambda q, k, v: _attention_keep_ref(q, k, v, 0.6, 2, torch)),
     Case("causal_attention_backward_kept", _attention_backward_kept,

@@ -19,6 +19,7 @@ from graphlm.passes.kept_values import KEPT_STATISTICS, KEPT_VALUES
 from graphlm.passes.matmul_sum import MATMUL_SUM
 from graphlm.passes.merged_heads import MERGED_HEADS
 from graphlm.passes.panel_weights import PANEL_WEIGHTS, panel_params
+from graphlm.passes.residual_norm_backward import RESIDUAL_NORM_BACKWARD
 from graphlm.passes.slice_gradients import SLICE_GRADIENTS
 from graphlm.passes.transposed_weights import TRANSPOSED_WEIGHTS, transposed_params
 from graphlm.testing import assert_close
@@ -245,6 +246,62 @@ def test_the_native_pipeline_keeps_no_xhat_its_weight_gradient_divides_xc_by_sv_
     for rw in (kept, both_):
         for a, b_ in zip(REF.compile(rw.graph, rw.outputs).run(feeds, state), want):
             assert a.tobytes() == b_.tobytes()
+
+
+def _pre_norm_stack(dtype="float32", layers=2, shape=(3, 4, 6)):
+    """A pre-norm residual stack, x + f(layer_norm(x)) per layer, with a final norm: its input's
+    gradient is the residual gradient plus each norm's input gradient (an add per norm)."""
+    g = gl.Graph("pre_norm")
+    x = g.input("x", shape, dtype)
+    h = x
+    for i in range(layers):
+        w = g.param(f"w{i}", shape[-1:], dtype)
+        h = h + gl.tanh(gl.layer_norm(h, w, None)) * (i + 1.5)
+    y = gl.layer_norm(h, None, None)
+    outputs = [y, *gl.grad(gl.sum(y * gl.tanh(y)), [x])]
+    rng = np.random.default_rng(12)
+    feeds = {"x": (rng.standard_normal(shape) * 2 + 0.5).astype(dtype)}
+    state = {f"w{i}": rng.standard_normal(shape[-1]).astype(dtype) for i in range(layers)}
+    return g, outputs, feeds, state
+
+
+def test_residual_norm_backward_adds_the_residual_gradient_where_the_norm_writes_bit_for_bit():
+    g, outputs, feeds, state = _pre_norm_stack()
+    want = REF.compile(g, outputs).run(feeds, state)
+    kept = passes.rewrite(g, outputs, KEPT_STATISTICS)
+    assert ops_of(kept.graph).count("layer_norm_backward_kept") == 3
+    rw = passes.run_pipeline((KEPT_STATISTICS, RESIDUAL_NORM_BACKWARD), g, outputs)
+    fused = [n for n in rw.graph.nodes if n.op == "layer_norm_backward_kept" and n.attrs.get("residual")]
+    # the two block norms add the residual stream's gradient: each add absorbed
+    assert len(fused) == 2 and ops_of(rw.graph).count("add") == ops_of(kept.graph).count("add") - 2
+    assert all(n.inputs[-1].shape == n.shape and rw.made_by(n) == "residual_norm_backward" for n in fused)
+    for a, b_ in zip(REF.compile(rw.graph, rw.outputs).run(feeds, state), want):
+        assert a.tobytes() == b_.tobytes()
+
+
+def test_residual_norm_backward_leaves_a_gradient_read_twice_float64_and_broadcasts():
+    g64, outputs64, _, _ = _pre_norm_stack("float64")
+    rw = passes.run_pipeline((KEPT_STATISTICS, RESIDUAL_NORM_BACKWARD), g64, outputs64)
+    assert not any(n.attrs.get("residual") for n in rw.graph.nodes)
+    g = gl.Graph("norm_twice")
+    x, u = g.input("x", (4, 6)), g.input("u", (4, 6))
+    y = gl.layer_norm(x, None, None)
+    (gx,) = gl.grad(gl.sum(y * u), [x])
+    for outputs in ([y, gx + u], [y, gx + u, gx], [y, gx + gl.reshape(u[0], (6,))]):   # read again; r broadcast
+        rw = passes.run_pipeline((KEPT_STATISTICS, RESIDUAL_NORM_BACKWARD), g, outputs)
+        (back,) = [n for n in rw.graph.nodes if n.op == "layer_norm_backward_kept"]
+        assert bool(back.attrs.get("residual")) == (len(outputs) == 2 and outputs[1].inputs[1] is u), outputs
+
+
+def test_a_residual_that_does_not_match_the_gradient_is_named():
+    g = gl.Graph("residual_shape")
+    xc, sv, gr = g.input("xc", (4, 6)), g.input("sv", (4, 1)), g.input("g", (4, 6))
+    with pytest.raises(gl.ir.ShapeError, match=re.escape(
+            "residual gradient [4,5] float32 does not match the input gradient [4,6] float32")):
+        gl.registry.apply("layer_norm_backward_kept", (xc, sv, gr, g.input("r", (4, 5))), eps=1e-5,
+                          has_weight=False, residual=True)
+    with pytest.raises(gl.ir.ShapeError, match=re.escape("residual gradient none does not match")):
+        gl.registry.apply("layer_norm_backward_kept", (xc, sv), eps=1e-5, has_weight=False, residual=True)
 
 
 def test_affine_grads_takes_one_divisor_per_row_and_names_a_wrong_one():
@@ -685,7 +742,7 @@ def test_executors_declare_their_pipeline():
     from graphlm.passes.kept_values import KEPT_STATISTICS
     assert executors.get("native").pipeline == "native"
     assert passes.PIPELINES["native"] == (MATMUL_SUM, SLICE_GRADIENTS, ATTENTION_SOFTMAX, DROPOUT_MASKS, KEPT_STATISTICS,
-                                          AFFINE_GRADS, BIAS_DROPOUT_ADD, BIAS_GELU, MERGED_HEADS)
+                                          AFFINE_GRADS, RESIDUAL_NORM_BACKWARD, BIAS_DROPOUT_ADD, BIAS_GELU, MERGED_HEADS)
     assert [r.name for r in KEPT_STATISTICS.rules] == [r.name for r in KEPT_VALUES.rules if "GELU" not in r.name]
 
 

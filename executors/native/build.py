@@ -68,7 +68,7 @@ SIGNATURES = {   # C function -> argument types (every function returns void)
     "gl_bias_gelu_tanh": (_P, _P, _P, _I, _I, _I, _F, _F),
     "gl_bias_gelu_tanh_backward": (_P, _P, _P, _P, _I, _I, _I, _F, _F, _F, _F),
     "gl_layer_norm": (_P, _P, _P, _P, _P, _P, _P, _I, _I, _F),
-    "gl_layer_norm_backward": (_P, _P, _P, _P, _P, _I, _I, _F),
+    "gl_layer_norm_backward": (_P, _P, _P, _P, _P, _P, _I, _I, _F),
     "gl_causal_softmax_block": (_P, _P, _I, _I, _I, _I, _I),
     "gl_softmax_ds_block": (_P, _P, _P, _I, _I, _I, _I),
     "gl_cross_entropy_rows": (_P, _P, _P, _I, _I),

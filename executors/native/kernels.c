@@ -243,11 +243,12 @@ void gl_layer_norm(const float *x, const float *w, const float *b, float *y, flo
 
 /* Layer norm's input gradient: out = r*(gh - mean(gh) - xhat*mean(gh*xhat)), gh = g*w (or g),
  * r = 1/sv, xhat = xc*r. From the forward's kept xc and sv; when `sv` is NULL, `xc` is x and
- * both are recomputed (eps used only then). */
+ * both are recomputed (eps used only then). When `res` is not NULL (with sv) the residual
+ * stream's gradient is added: out = res + that (the add's rounding; out may be g or res). */
 void gl_layer_norm_backward(const float *xc, const float *sv, const float *g, const float *w,
-                            float *out, int64_t rows, int64_t cols, float eps) {
+                            const float *res, float *out, int64_t rows, int64_t cols, float eps) {
     for (int64_t r = 0; r < rows; r++) {
-        const float *cr = xc + r * cols, *gr = g + r * cols;
+        const float *cr = xc + r * cols, *gr = g + r * cols, *rs = res ? res + r * cols : NULL;
         float *o = out + r * cols;
         float rr;
         if (sv) {
@@ -277,7 +278,8 @@ void gl_layer_norm_backward(const float *xc, const float *sv, const float *g, co
         m2 /= (float)cols;
         for (i = 0; i < cols; i++) {
             float gh = w ? gr[i] * w[i] : gr[i];
-            o[i] = rr * (gh - m1 - (cr[i] * rr) * m2);
+            float d = rr * (gh - m1 - (cr[i] * rr) * m2);
+            o[i] = rs ? rs[i] + d : d;
         }
     }
 }

@@ -27,7 +27,7 @@ from .. import reference
 from ..base import check_index_range
 from ..numpy import get_threads
 from ..numpy.dropout import keep_threshold
-from ..numpy.norms import layer_norm_keep_views
+from ..numpy.norms import kept_backward_inputs, layer_norm_keep_views
 from ..numpy.optimizer import adamw_schedule
 from ..numpy.pool import parallel
 from ..numpy.tiling import size_groups
@@ -293,21 +293,20 @@ def _layer_norm_keep(node, out, ins, scratch):
     return _layer_norm_closure(node.inputs[0], x, w, b, y, xc, sv, xhat, node.attrs["eps"])
 
 
-def _layer_norm_backward_closure(node, xc, sv, g, w, out):
+def _layer_norm_backward_closure(node, xc, sv, g, w, out, residual=None):
     fn, cols = library().gl_layer_norm_backward, node.shape[-1]
     eps = float(np.float32(node.attrs["eps"]))
     return split_calls(lambda lo, hi: functools.partial(
-        fn, ptr_at(xc, cols, lo), ptr_at(sv, 1, lo), ptr_at(g, cols, lo), ptr(w), ptr_at(out, cols, lo),
-        hi - lo, cols, eps), node.size // cols, cols, (xc, sv, g, w, out))
+        fn, ptr_at(xc, cols, lo), ptr_at(sv, 1, lo), ptr_at(g, cols, lo), ptr(w), ptr_at(residual, cols, lo),
+        ptr_at(out, cols, lo), hi - lo, cols, eps), node.size // cols, cols, (xc, sv, g, w, residual, out))
 
 
 @native_kernel("layer_norm_backward_kept", rounds_own_way=True)
 def _layer_norm_backward_kept(node, out, ins, scratch):
-    xc, sv, *rest = ins
-    w, g = (rest[0] if node.attrs.get("has_weight") else None), rest[-1]
-    if not _norm_ok(node, g, w, None, out, xc, sv):
+    xc, sv, w, g, residual = kept_backward_inputs(node, ins)
+    if not _norm_ok(node, g, w, None, out, xc, sv, residual):
         return None
-    return _layer_norm_backward_closure(node, xc, sv, g, w, out)
+    return _layer_norm_backward_closure(node, xc, sv, g, w, out, residual)
 
 
 @native_kernel("layer_norm_backward", rounds_own_way=True)

@@ -202,19 +202,33 @@ def _layer_norm_keep(node, out, ins, scratch):
     return rowwise(body, [x, y, sq, m, parts["xc"], parts["sv"], xhat if separate else y], x.size // x.shape[-1])
 
 
-@kernel("layer_norm_backward_kept", inplace=lambda node: (len(node.inputs) - 1,),
+def kept_backward_inputs(node, ins):
+    """(xc, sv, w or None, g, the residual gradient or None) of a layer_norm_backward_kept."""
+    xc, sv, *rest = ins
+    rest, residual = (rest[:-1], rest[-1]) if node.attrs.get("residual") else (rest, None)
+    return xc, sv, (rest[0] if node.attrs.get("has_weight") else None), rest[-1], residual
+
+
+def _g_position(node):
+    """The input a layer_norm_backward_kept may write over: g (read whole before the output)."""
+    return (len(node.inputs) - (2 if node.attrs.get("residual") else 1),)
+
+
+@kernel("layer_norm_backward_kept", inplace=_g_position,
         scratch=lambda node, pos: [(node.shape, node.dtype)] * 2 + [(row_shape(node), node.dtype)] * 3)
 def _layer_norm_backward_kept(node, out, ins, scratch):
-    xc, sv, *rest = ins
-    w, g = (rest[0] if node.attrs.get("has_weight") else None), rest[-1]   # inputs: xc, sv, [w], g
+    xc, sv, w, g, residual = kept_backward_inputs(node, ins)   # inputs: xc, sv, [w], g, [r]
     xhat, gh, r, m1, m2 = scratch
     one = scalar(1.0, node.dtype)
 
-    def body(xc, sv, g, out, xhat, gh, r, m1, m2):  # layer_norm_backward's arithmetic from kept xc, sv
+    def body(xc, sv, g, out, xhat, gh, r, m1, m2, residual=None):   # layer_norm_backward's arithmetic from kept xc, sv
         np.divide(one, sv, out=r)
         np.multiply(xc, r, out=xhat)
         _layer_norm_backward_from_xhat(xhat, r, g, w, out, gh, m1, m2)
-    return rowwise(body, [xc, sv, g, out, xhat, gh, r, m1, m2], node.size // node.shape[-1])
+        if residual is not None:
+            np.add(residual, out, out=out)
+    arrays = [xc, sv, g, out, xhat, gh, r, m1, m2] + ([residual] if residual is not None else [])
+    return rowwise(body, arrays, node.size // node.shape[-1])
 
 
 def _last_and_first(node):

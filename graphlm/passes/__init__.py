@@ -14,7 +14,8 @@
   (a product with a param's transpose reads the transpose as a param of its own) and
   panel_weights.py (a product with a param reads it in column panels, its bias added in the
   product): the weight layouts of the Generator, whose params stay fixed; in no pipeline;
-  affine_grads.py (a layer norm's weight and bias gradients in one node), bias_dropout_add.py
+  affine_grads.py (a layer norm's weight and bias gradients in one node),
+  residual_norm_backward.py (a residual gradient added where a layer norm's backward writes), bias_dropout_add.py
   (a residual update after an output projection in one node), bias_gelu.py (an MLP's first bias
   added where its GELU and the GELU's backward read it) and merged_heads.py (attention
   stores its results with the heads merged: the merge and the QKV gradient's assembly become

@@ -14,6 +14,7 @@ from .dropout_masks import DROPOUT_MASKS
 from .kept_values import KEPT_STATISTICS, KEPT_VALUES
 from .matmul_sum import MATMUL_SUM
 from .merged_heads import MERGED_HEADS
+from .residual_norm_backward import RESIDUAL_NORM_BACKWARD
 from .rewrite import Pass, Rewritten, compose, needed, rewrite
 from .slice_gradients import SLICE_GRADIENTS
 
@@ -22,8 +23,9 @@ _PLANNED = (MATMUL_SUM, SLICE_GRADIENTS, ATTENTION_SOFTMAX, DROPOUT_MASKS)   # b
 PIPELINES: dict[str, tuple[Pass, ...]] = {
     "none": (),
     "numpy": _PLANNED + (KEPT_VALUES,),
-    # kept_values without the GELU's sigmoid (kept_values.py says why); then four rewrites for C kernels
-    "native": _PLANNED + (KEPT_STATISTICS, AFFINE_GRADS, BIAS_DROPOUT_ADD, BIAS_GELU, MERGED_HEADS),
+    # kept_values without the GELU's sigmoid (kept_values.py says why); then five rewrites for C kernels
+    "native": _PLANNED + (KEPT_STATISTICS, AFFINE_GRADS, RESIDUAL_NORM_BACKWARD, BIAS_DROPOUT_ADD, BIAS_GELU,
+                          MERGED_HEADS),
 }
 
 
