@@ -523,6 +523,32 @@ def test_dropout_is_bit_identical_to_numpy(small_pieces, shape, p, threads):
     compare(got, want, True, "dropout vs reference")
 
 
+@pytest.mark.threads
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_global_norm_in_c_gives_the_references_bits(threads):
+    """The gradients' dots by NumPy's OpenBLAS sdot, shared out by size on the team, added in
+    input order: the reference's norm bit for bit (a scalar, zeros, gradients of 5 to 2112
+    elements); a transposed view, which the C kernel does not take, runs the numpy kernel."""
+    rng = np.random.default_rng(33)
+    shapes = [(40, 50), (7,), (), (64, 33), (5,), (30, 70), (1000,)]
+    g = gl.Graph("norm")
+    xs = [g.input(f"g{i}", s, np.float32) for i, s in enumerate(shapes)]
+    feeds = {x.name: (rng.standard_normal(x.shape) * rng.uniform(0.1, 30)).astype(np.float32) for x in xs}
+    feeds["g4"][:] = 0.0
+    dots = np.array([np.dot(v.reshape(-1), v.reshape(-1)) for v in feeds.values()], np.float32)
+    norm = np.sqrt(np.add.accumulate(dots)[-1])   # (depends on the order; float64 sums round otherwise)
+    assert norm != np.sqrt(np.add.accumulate(dots[::-1])[-1]) and norm != np.sqrt(np.float32(dots.astype(np.float64).sum()))
+    assert len(native.kernels.size_groups([x.size for x in xs], threads)) == threads   # the team splits them
+    _threads(threads)
+    prog, got, _, want = run_all(g, [gl.ops.global_norm(xs)], feeds)
+    assert prog.native_ops() == {"global_norm"}
+    assert got[0].dtype == np.float32 and got[0].tobytes() == want[0].tobytes()
+    assert got[0] == pytest.approx(np.sqrt(sum(np.sum(v.astype(np.float64) ** 2) for v in feeds.values())), rel=1e-5)
+    some = {k: feeds[k] for k in ("g0", "g3")}
+    prog, got, _, want = run_all(g, [gl.ops.global_norm([gl.transpose(xs[0], (1, 0)), xs[3]])], some)
+    assert "global_norm" not in prog.native_ops() and got[0].tobytes() == want[0].tobytes()
+
+
 def _adamw_run(executor, shapes, steps=3):
     from graphlm.optim import AdamW
     rng = np.random.default_rng(7)

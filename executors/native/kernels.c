@@ -396,3 +396,19 @@ void gl_adamw(float *p, const float *grad, float *m, float *v, int64_t n, float 
         p[i] = pi - (step * mi) / (sqrtf(vi) / bc2 + eps);
     }
 }
+
+/* ---- the global norm's dots (graphlm.optim's gradient clipping) -------------------------- */
+
+/* dots[i] = x_i . x_i for the gradients [lo, hi) (addresses and sizes in `addrs`, `sizes`), each
+ * by NumPy's OpenBLAS cblas_sdot at `sdot` (64-bit integers where `wide`): the function np.dot
+ * calls, so the numpy kernel's dots bit for bit. The caller adds them in order. */
+typedef float (*sdot64_fn)(int64_t, const float *, int64_t, const float *, int64_t);
+typedef float (*sdot32_fn)(int32_t, const float *, int32_t, const float *, int32_t);
+void gl_self_dots(const int64_t *addrs, const int64_t *sizes, float *dots, int64_t lo, int64_t hi,
+                  uint64_t sdot, int64_t wide) {
+    for (int64_t i = lo; i < hi; i++) {
+        const float *x = (const float *)(uintptr_t)addrs[i];
+        dots[i] = wide ? ((sdot64_fn)(uintptr_t)sdot)(sizes[i], x, 1, x, 1)
+                       : ((sdot32_fn)(uintptr_t)sdot)((int32_t)sizes[i], x, 1, x, 1);
+    }
+}

@@ -8,6 +8,7 @@
     cross entropy and its backward           (one pass per row; the mean over rows by NumPy)
     the embedding gradient                   (np.add.at's order, in column ranges)
     dropout                                  (the mask drawn and applied in one pass)
+    the global norm's dots                   (NumPy's OpenBLAS sdot, gradients shared out on the team)
     AdamW                                    (one pass per parameter)
 
 On n threads each runs as n calls on the C worker team (`split_calls`); AdamW's parameters are
@@ -33,7 +34,7 @@ from ..numpy.pool import parallel
 from ..numpy.tiling import size_groups
 from .build import library
 from .table import native_kernel
-from .team import checked_closure, native_arrays, ptr, ptr_at, single_call, split_calls
+from .team import blas_sdot, call_tables, checked_closure, native_arrays, ptr, ptr_at, single_call, split_calls, team_closure
 
 
 
@@ -502,6 +503,30 @@ def _bias_dropout_add(node, out, ins, scratch):
 def _dropout(node, out, ins, scratch):
     x, key = ins
     return _draw_closure(node, key, scratch[0], x, out)
+
+
+# == the global norm ========================================================================================
+
+@native_kernel("global_norm")
+def _global_norm(node, out, ins, scratch):
+    """sqrt of the gradients' squares summed: each gradient's dot with itself by NumPy's OpenBLAS
+    sdot (what the numpy kernel's np.dot calls), the gradients shared out by size over the team,
+    then the dots added in input order in float32, as the numpy kernel adds them: its bits."""
+    sdot = blas_sdot()
+    if sdot is None or node.dtype != np.float32 or not native_arrays(*ins):
+        return None
+    addrs = np.array([ptr(g) for g in ins], np.int64)
+    sizes = np.array([g.size for g in ins], np.int64)
+    dots = np.zeros(len(ins), np.float32)
+    fn = library().gl_self_dots
+    call = lambda lo, hi: functools.partial(fn, addrs.ctypes.data, sizes.ctypes.data, ptr(dots), lo, hi, *sdot)
+    dot_all = team_closure(call(0, len(ins)), lambda n: call_tables([call(lo, hi) for lo, hi in size_groups(sizes, n)]))
+
+    def run():
+        dot_all()
+        np.copyto(out, np.sqrt(np.add.accumulate(dots)[-1]))   # ((d0 + d1) + d2) + ...: the numpy kernel's order
+    run.arrays = (ins, addrs, sizes, dots)
+    return run
 
 
 # == AdamW ===================================================================================================

@@ -6,8 +6,8 @@ pieces)`` runs a table of them on the team's threads, handing a piece over in a 
 microsecond where the numpy executor's Python pool costs tens. `team_closure` is the one way a
 kernel's closure runs on n threads: a table built once per n, else the kernel's fallback. Here
 too: array addresses (`ptr`), the batch-entry offsets of broadcast operands, NumPy's own
-cblas_sgemm (the BLAS pieces and the C attention call it), and `split_calls`, which cuts a row
-kernel's C call into n calls on the team.
+cblas_sgemm (the BLAS pieces and the C attention call it) and cblas_sdot (the global norm's),
+and `split_calls`, which cuts a row kernel's C call into n calls on the team.
 """
 from __future__ import annotations
 
@@ -183,16 +183,26 @@ def split_calls(call, units: int, unit_size: int, arrays):
     return run
 
 
-# == NumPy's cblas_sgemm =====================================================================================
+# == NumPy's cblas_sgemm and cblas_sdot ======================================================================
 
-_sgemm: dict[str, tuple[int, int] | None] = {}
+_found: dict[str, tuple[int, int] | None] = {}   # each function, looked up once
 
 
 def blas_sgemm() -> tuple[int, int] | None:
     """(address of the cblas_sgemm of NumPy's OpenBLAS, the team's piece kind for it: 2 where it
     takes 64-bit integers, 3 for 32-bit), or None where no OpenBLAS with one is loaded."""
-    if "fn" not in _sgemm:
+    if "sgemm" not in _found:
         kinds = {"scipy_cblas_sgemm64_": 2, "cblas_sgemm64_": 2, "scipy_cblas_sgemm": 3, "cblas_sgemm": 3}
         found = pool.openblas_function(*kinds)
-        _sgemm["fn"] = None if found is None else (ctypes.cast(found[1], ctypes.c_void_p).value, kinds[found[0]])
-    return _sgemm["fn"]
+        _found["sgemm"] = None if found is None else (ctypes.cast(found[1], ctypes.c_void_p).value, kinds[found[0]])
+    return _found["sgemm"]
+
+
+def blas_sdot() -> tuple[int, int] | None:
+    """(address of the cblas_sdot of NumPy's OpenBLAS, 1 where it takes 64-bit integers else 0):
+    the dot np.dot computes for float32 vectors; None where no OpenBLAS with one is loaded."""
+    if "sdot" not in _found:
+        wide = {"scipy_cblas_sdot64_": 1, "cblas_sdot64_": 1, "scipy_cblas_sdot": 0, "cblas_sdot": 0}
+        found = pool.openblas_function(*wide)
+        _found["sdot"] = None if found is None else (ctypes.cast(found[1], ctypes.c_void_p).value, wide[found[0]])
+    return _found["sdot"]
