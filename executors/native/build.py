@@ -78,6 +78,7 @@ SIGNATURES = {   # C function -> argument types (every function returns void)
     "gl_dropout_apply": (_P, _P, _P, _I, _F),
     "gl_bias_dropout_add": (_P, _P, _P, _P, _P, _I, _I, _I, _F),
     "gl_adamw": (_P, _P, _P, _P, _I, _F, _INT, _F, _F, _F, _F, _F, _F, _F, _F),
+    "gl_adamw_params": (_P, _P, _I, _I),
     "gl_self_dots": (_P, _P, _P, _I, _I, _U64, _I),
     "gl_matmul_small": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I),
     "gl_matmul_small_nt": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I),

@@ -378,7 +378,7 @@ void gl_bias_dropout_add(const float *r, const float *m, const float *b, const u
     }
 }
 
-/* ---- AdamW (graphlm.optim), one parameter, in place -------------------------------------- */
+/* ---- AdamW (graphlm.optim), in place: one parameter, or a run of a table's --------------- */
 
 /* The numpy kernel's arithmetic in its order, each product and sum rounded on its own:
  *   g = grad*coef; p *= decay (when wd); m = m*b1 + cb1*g; v = v*b2 + (cb2*g)*g;
@@ -394,6 +394,21 @@ void gl_adamw(float *p, const float *grad, float *m, float *v, int64_t n, float 
         m[i] = mi;
         v[i] = vi;
         p[i] = pi - (step * mi) / (sqrtf(vi) / bc2 + eps);
+    }
+}
+
+/* gl_adamw over the parameters [lo, hi) of `params`, ADAMW_WORDS words each: the addresses of
+ * p, grad, m and v, the size, whether it decays, and its row of `consts`. consts[0..4] are b1,
+ * 1 - b1, b2, 1 - b2 and eps; row r (at 8 + 4r) this run's coef, decay, step and bc2, which the
+ * caller writes before each run (the learning rate follows a schedule). */
+#define ADAMW_WORDS 7
+void gl_adamw_params(const int64_t *params, const float *consts, int64_t lo, int64_t hi) {
+    for (int64_t k = lo; k < hi; k++) {
+        const int64_t *w = params + ADAMW_WORDS * k;
+        const float *c = consts + 8 + 4 * w[6];
+        gl_adamw((float *)(uintptr_t)w[0], (const float *)(uintptr_t)w[1], (float *)(uintptr_t)w[2],
+                 (float *)(uintptr_t)w[3], w[4], c[0], (int)w[5], c[1], consts[0], consts[1], consts[2],
+                 consts[3], c[3], consts[4], c[2]);
     }
 }
 

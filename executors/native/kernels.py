@@ -11,8 +11,8 @@
     the global norm's dots                   (NumPy's OpenBLAS sdot, gradients shared out on the team)
     AdamW                                    (one pass per parameter)
 
-On n threads each runs as n calls on the C worker team (`split_calls`); AdamW's parameters are
-shared out by size on the Python pool (one C call per parameter).
+On n threads each runs as n calls on the C worker team (`split_calls`); AdamW's parameters and
+the global norm's gradients are shared out by size on it.
 """
 from __future__ import annotations
 
@@ -30,7 +30,6 @@ from ..numpy import get_threads
 from ..numpy.dropout import keep_threshold
 from ..numpy.norms import kept_backward_inputs, layer_norm_keep_views
 from ..numpy.optimizer import adamw_schedule
-from ..numpy.pool import parallel
 from ..numpy.tiling import size_groups
 from .build import library
 from .table import native_kernel
@@ -533,38 +532,32 @@ def _global_norm(node, out, ins, scratch):
 
 @native_kernel("adamw_update")
 def _adamw_update(node, out, ins, scratch):
+    """Every parameter's AdamW update in C (gl_adamw_params over a table of them, shared out by
+    size on the team); this run's constants (the schedule's learning rate, the clip coefficient)
+    are written to `consts` first, rounded to float32 as the numpy kernel rounds them."""
     lr_a, step_a, coef_a = ins[:3]
     a = node.attrs
-    f32 = lambda x: float(np.float32(x))   # (each constant rounded to float32 as the numpy kernel's)
-    moments = (f32(a["beta1"]), f32(1.0 - a["beta1"]), f32(a["beta2"]), f32(1.0 - a["beta2"]))
-    params = []   # (pointers, size, weight decay) per parameter, bound once
+    f32 = lambda x: float(np.float32(x))
+    decays = sorted(set(a["weight_decay"]))
+    table = []   # per parameter: p, grad, m, v, size, decays, its row of consts (gl_adamw_params)
     for k, wd in enumerate(a["weight_decay"]):
         p, grad, m, v = ins[3 + 4 * k: 7 + 4 * k]
         if not native_arrays(p, grad, m, v) or not (p.shape == grad.shape == m.shape == v.shape):
             return None
-        params.append(((ptr(p), ptr(grad), ptr(m), ptr(v)), p.size, wd))
-    fn, eps = library().gl_adamw, f32(a["eps"])
-    consts = {}   # weight decay -> this run's constants, read by the pieces
-
-    def update(part):
-        for pointers, size, wd in part:
-            coef, decay, step_size, bc2 = consts[wd]
-            fn(*pointers, size, coef, 1 if wd else 0, decay, *moments, bc2, eps, step_size)
-
-    groups: dict[int, list] = {}
+        table.append([ptr(p), ptr(grad), ptr(m), ptr(v), p.size, 1 if wd else 0, decays.index(wd)])
+    table = np.array(table, np.int64).reshape(-1, 7)
+    consts = np.zeros(8 + 4 * len(decays), np.float32)
+    consts[:5] = [a["beta1"], 1.0 - a["beta1"], a["beta2"], 1.0 - a["beta2"], a["eps"]]
+    fn = library().gl_adamw_params
+    call = lambda lo, hi: functools.partial(fn, table.ctypes.data, consts.ctypes.data, lo, hi)
+    sizes = table[:, 4]
+    update = team_closure(call(0, len(table)), lambda n: call_tables([call(lo, hi) for lo, hi in size_groups(sizes, n)]))
 
     def run():
         lr, step_size, bc2_sqrt = adamw_schedule(node, lr_a, step_a)
-        coef, step_size, bc2_sqrt = f32(coef_a), f32(step_size), f32(bc2_sqrt)
-        for wd in set(a["weight_decay"]):
-            consts[wd] = (coef, f32(1.0 - lr * wd), step_size, bc2_sqrt)
-        n = get_threads()
-        if n == 1 or len(params) < 2:
-            update(params)
-        else:
-            if n not in groups:
-                groups[n] = [params[lo:hi] for lo, hi in size_groups([size for _, size, _ in params], n)]
-            parallel([functools.partial(update, part) for part in groups[n]])
+        for r, wd in enumerate(decays):
+            consts[8 + 4 * r: 12 + 4 * r] = [f32(coef_a), f32(1.0 - lr * wd), f32(step_size), f32(bc2_sqrt)]
+        update()
         out[...] = 0.0
-    run.arrays = ins   # (the raw pointers above point into these)
+    run.arrays = (ins, table, consts)   # (the raw pointers above point into these)
     return run
