@@ -12,7 +12,7 @@ import numpy as np
 from scipy import special
 
 from graphlm.ops import (GELU_A, GELU_B, GELU_DA, GELU_DB, GELU_R2, GELU_R2PI, attention_query_blocks,
-                         heads_merged_swap, matmul_sum_folding, norm_parts)
+                         heads_merged_swap, kept_backward_parts, matmul_sum_folding, norm_parts)
 from graphlm.random import counter_uniform, dropout_keep_scale
 
 from .base import ExecutionError, Program, check_index_range, node_where
@@ -463,9 +463,8 @@ def layer_norm_keep(node, *arrays):
 
 
 @kernel("layer_norm_backward_kept")
-def layer_norm_backward_kept(node, xc, sv, *rest):
-    rest, residual = (rest[:-1], rest[-1]) if node.attrs.get("residual") else (rest, None)
-    w, g = (rest[0] if node.attrs["has_weight"] else None), rest[-1]
+def layer_norm_backward_kept(node, *inputs):
+    xc, sv, w, g, residual = kept_backward_parts(inputs, node.attrs)
     r = _s(1.0, xc) / sv
     xhat = xc * r
     gh = g * w if w is not None else g

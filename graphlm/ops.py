@@ -1863,23 +1863,30 @@ def _layer_norm_keep_decompose(*inputs, eps, has_weight, has_bias, keep_xhat):
     return concat([reshape(p, (-1,)) for p in parts], 0)
 
 
-def _infer_layer_norm_backward_kept(inputs, attrs):
+def kept_backward_parts(inputs, attrs):
+    """(xc, sv, w or None, g, r or None) of a layer_norm_backward_kept's inputs [xc, sv, [w], g,
+    [r]] (tensors, or the arrays an executor holds for them): w with has_weight, r (the residual
+    gradient the result is added to) with residual."""
     xc, sv, *rest = inputs
-    if attrs.get("residual"):   # (a last input r: the residual gradient the result is added to)
-        if not rest or rest[-1].shape != xc.shape or rest[-1].dtype != xc.dtype:
-            got = f"{fmt_shape(rest[-1].shape)} {rest[-1].dtype}" if rest else "none"
-            raise ShapeError(f"residual gradient {got} does not match the input gradient "
-                             f"{fmt_shape(xc.shape)} {xc.dtype}")
-        rest = rest[:-1]
-    shape, dtype = _infer_norm([xc, *rest], attrs)
+    rest, r = (rest[:-1], rest[-1]) if attrs.get("residual") else (rest, None)
+    return xc, sv, (rest[0] if attrs.get("has_weight") else None), rest[-1], r
+
+
+def _infer_layer_norm_backward_kept(inputs, attrs):
+    if attrs.get("residual") and len(inputs) < 4:
+        raise ShapeError("residual gradient none does not match the input gradient: no input for it")
+    xc, sv, w, g, r = kept_backward_parts(inputs, attrs)
+    if r is not None and (r.shape != xc.shape or r.dtype != xc.dtype):
+        raise ShapeError(f"residual gradient {fmt_shape(r.shape)} {r.dtype} does not match the input gradient "
+                         f"{fmt_shape(xc.shape)} {xc.dtype}")
+    shape, dtype = _infer_norm([xc, *([w] if w is not None else []), g], attrs)
     if sv.shape != shape[:-1] + (1,):
         raise ShapeError(f"row scale {fmt_shape(sv.shape)} does not match {fmt_shape(shape)}")
     return shape, dtype
 
 
-def _layer_norm_backward_kept_decompose(xc, sv, *rest, eps, has_weight, residual=False):
-    rest, r = (rest[:-1], rest[-1]) if residual else (rest, None)
-    w, g = (rest[0] if has_weight else None), rest[-1]
+def _layer_norm_backward_kept_decompose(*inputs, **attrs):
+    xc, sv, w, g, r = kept_backward_parts(inputs, attrs)
     dx = _layer_norm_backward_from(xc, 1.0 / sv, g, w)
     return dx if r is None else r + dx
 

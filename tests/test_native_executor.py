@@ -538,7 +538,7 @@ def test_global_norm_in_c_gives_the_references_bits(threads):
     dots = np.array([np.dot(v.reshape(-1), v.reshape(-1)) for v in feeds.values()], np.float32)
     norm = np.sqrt(np.add.accumulate(dots)[-1])   # (depends on the order; float64 sums round otherwise)
     assert norm != np.sqrt(np.add.accumulate(dots[::-1])[-1]) and norm != np.sqrt(np.float32(dots.astype(np.float64).sum()))
-    assert len(native.kernels.size_groups([x.size for x in xs], threads)) == threads   # the team splits them
+    assert len(numpy_executor.tiling.size_groups([x.size for x in xs], threads)) == threads   # the team splits them
     _threads(threads)
     prog, got, _, want = run_all(g, [gl.ops.global_norm(xs)], feeds)
     assert prog.native_ops() == {"global_norm"}

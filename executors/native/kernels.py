@@ -21,19 +21,17 @@ import math
 
 import numpy as np
 
-from graphlm.ops import GELU_A, GELU_B, GELU_DA, GELU_DB, norm_parts
+from graphlm.ops import GELU_A, GELU_B, GELU_DA, GELU_DB, kept_backward_parts, norm_parts
 from graphlm.random import stream_base
 
 from .. import reference
 from ..base import check_index_range
-from ..numpy import get_threads
 from ..numpy.dropout import keep_threshold
-from ..numpy.norms import kept_backward_inputs, layer_norm_keep_views
+from ..numpy.norms import layer_norm_keep_views
 from ..numpy.optimizer import adamw_schedule
-from ..numpy.tiling import size_groups
 from .build import library
 from .table import native_kernel
-from .team import blas_sdot, call_tables, checked_closure, native_arrays, ptr, ptr_at, single_call, split_calls, team_closure
+from .team import blas_sdot, checked_closure, native_arrays, ptr, ptr_at, single_call, sized_calls, split_calls
 
 
 
@@ -303,7 +301,7 @@ def _layer_norm_backward_closure(node, xc, sv, g, w, out, residual=None):
 
 @native_kernel("layer_norm_backward_kept", rounds_own_way=True)
 def _layer_norm_backward_kept(node, out, ins, scratch):
-    xc, sv, w, g, residual = kept_backward_inputs(node, ins)
+    xc, sv, w, g, residual = kept_backward_parts(ins, node.attrs)
     if not _norm_ok(node, g, w, None, out, xc, sv, residual):
         return None
     return _layer_norm_backward_closure(node, xc, sv, g, w, out, residual)
@@ -519,7 +517,7 @@ def _global_norm(node, out, ins, scratch):
     dots = np.zeros(len(ins), np.float32)
     fn = library().gl_self_dots
     call = lambda lo, hi: functools.partial(fn, addrs.ctypes.data, sizes.ctypes.data, ptr(dots), lo, hi, *sdot)
-    dot_all = team_closure(call(0, len(ins)), lambda n: call_tables([call(lo, hi) for lo, hi in size_groups(sizes, n)]))
+    dot_all = sized_calls(call, sizes)
 
     def run():
         dot_all()
@@ -550,8 +548,7 @@ def _adamw_update(node, out, ins, scratch):
     consts[:5] = [a["beta1"], 1.0 - a["beta1"], a["beta2"], 1.0 - a["beta2"], a["eps"]]
     fn = library().gl_adamw_params
     call = lambda lo, hi: functools.partial(fn, table.ctypes.data, consts.ctypes.data, lo, hi)
-    sizes = table[:, 4]
-    update = team_closure(call(0, len(table)), lambda n: call_tables([call(lo, hi) for lo, hi in size_groups(sizes, n)]))
+    update = sized_calls(call, table[:, 4])
 
     def run():
         lr, step_size, bc2_sqrt = adamw_schedule(node, lr_a, step_a)

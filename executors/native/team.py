@@ -19,7 +19,7 @@ import numpy as np
 
 from ..numpy import get_threads, pool
 from ..numpy.pool import threaded
-from ..numpy.tiling import even_cuts
+from ..numpy.tiling import even_cuts, size_groups
 from .build import _F, _I, _P, _U64, library
 
 MIN_SPLIT = 1 << 16         # elements: a row kernel below this runs on one thread (split_calls)
@@ -181,6 +181,13 @@ def split_calls(call, units: int, unit_size: int, arrays):
     run = team_closure(whole, lambda n: call_tables(split(n)), threaded(whole, split))
     run.arrays = arrays
     return run
+
+
+def sized_calls(call, sizes):
+    """A closure running ``call(0, len(sizes))``, or on n threads ``call(lo, hi)`` over n runs of
+    items of about equal total size (`size_groups`), as kernel call pieces on the team (a kernel
+    that walks a list of arrays of uneven sizes: AdamW's parameters, the global norm's gradients)."""
+    return team_closure(call(0, len(sizes)), lambda n: call_tables([call(lo, hi) for lo, hi in size_groups(sizes, n)]))
 
 
 # == NumPy's cblas_sgemm and cblas_sdot ======================================================================

@@ -6,7 +6,7 @@ import functools
 
 import numpy as np
 
-from graphlm.ops import layer_norm_keep_layout, norm_parts
+from graphlm.ops import kept_backward_parts, layer_norm_keep_layout, norm_parts
 
 from ..base import check_index_range
 from .table import kernel, scalar
@@ -202,13 +202,6 @@ def _layer_norm_keep(node, out, ins, scratch):
     return rowwise(body, [x, y, sq, m, parts["xc"], parts["sv"], xhat if separate else y], x.size // x.shape[-1])
 
 
-def kept_backward_inputs(node, ins):
-    """(xc, sv, w or None, g, the residual gradient or None) of a layer_norm_backward_kept."""
-    xc, sv, *rest = ins
-    rest, residual = (rest[:-1], rest[-1]) if node.attrs.get("residual") else (rest, None)
-    return xc, sv, (rest[0] if node.attrs.get("has_weight") else None), rest[-1], residual
-
-
 def _g_position(node):
     """The input a layer_norm_backward_kept may write over: g (read whole before the output)."""
     return (len(node.inputs) - (2 if node.attrs.get("residual") else 1),)
@@ -217,7 +210,7 @@ def _g_position(node):
 @kernel("layer_norm_backward_kept", inplace=_g_position,
         scratch=lambda node, pos: [(node.shape, node.dtype)] * 2 + [(row_shape(node), node.dtype)] * 3)
 def _layer_norm_backward_kept(node, out, ins, scratch):
-    xc, sv, w, g, residual = kept_backward_inputs(node, ins)   # inputs: xc, sv, [w], g, [r]
+    xc, sv, w, g, residual = kept_backward_parts(ins, node.attrs)   # inputs: xc, sv, [w], g, [r]
     xhat, gh, r, m1, m2 = scratch
     one = scalar(1.0, node.dtype)
 
