@@ -24,13 +24,14 @@ the graphlm child never imports torch.
 
     python benchmarks/train_step.py [--batches 1 8 32] [--steps 15] [--threads 2] [--quick]
         [--executor native|numpy] [--json benchmarks/train_step.json] [--markdown PATH]
-        [--no-memory] [--profile]
+        [--no-memory] [--profile [--profile-nodes N]]
 
 graphlm runs on the native executor (the numpy executor with its hot float32 kernels in C) by
 default; ``--executor numpy`` measures the pure-NumPy one.
 
 `--profile` instead prints where graphlm's step time goes (per op kind; forward, backward and
-optimizer) from `NumpyProgram.profile`.
+optimizer) from `NumpyProgram.profile`; `--profile-nodes N` adds its N slowest nodes, with their
+scopes and shapes.
 """
 from __future__ import annotations
 
@@ -331,17 +332,22 @@ def phase_of(node) -> str:
     return "backward" if node.is_backward else "forward"
 
 
-def profile(config, batch: int, repeats: int) -> dict:
-    """Median seconds per (phase, op kind) over `repeats` profiled steps, after a warm-up."""
+def profile(config, batch: int, repeats: int, nodes: int = 0) -> dict:
+    """Median seconds per (phase, op kind) over `repeats` profiled steps, after a warm-up; with
+    `nodes`, also the `nodes` slowest nodes of the compiled graph (median seconds each, with their
+    op, phase, scope and shapes)."""
     gs = GraphlmStep(config, batch)
     x, y = batch_data(config, batch)
     for s in range(2):
         gs.step(x, y, s)
     samples = collections.defaultdict(list)
+    per_node, node_of = collections.defaultdict(list), {}
     for s in range(repeats):
         acc = collections.defaultdict(float)
         for node, sec in gs.program.profile(gs.feeds(x, y, 50 + s), gs.state):
             acc[(phase_of(node), node.op)] += sec
+            per_node[node.id].append(sec)
+            node_of[node.id] = node
         for k, v in acc.items():
             samples[k].append(v)
     rows = sorted(((statistics.median(v), k) for k, v in samples.items()), reverse=True)
@@ -349,10 +355,24 @@ def profile(config, batch: int, repeats: int) -> dict:
     phases = collections.defaultdict(float)
     for sec, (phase, _) in rows:
         phases[phase] += sec
+    slowest = sorted(((statistics.median(v), i) for i, v in per_node.items()), reverse=True)[:nodes]
     return {"batch": batch, "total_ms": round(total * 1e3, 2),
             "phases_ms": {k: round(v * 1e3, 2) for k, v in phases.items()},
             "ops_ms": [{"phase": p, "op": op, "ms": round(sec * 1e3, 2),
-                        "share": round(sec / total, 4)} for sec, (p, op) in rows]}
+                        "share": round(sec / total, 4)} for sec, (p, op) in rows],
+            "nodes_ms": [node_row(node_of[i], sec) for sec, i in slowest]}
+
+
+def node_row(node, sec: float) -> dict:
+    """One profiled node: its median ms, op, phase, scope and the shapes it reads (the first four)
+    and writes."""
+    reads = [list(i.shape) for i in node.inputs]
+    return {"ms": round(sec * 1e3, 3), "op": node.op, "phase": phase_of(node), "scope": node.scope or "",
+            "inputs": reads[:4], "more_inputs": len(reads[4:]), "shape": list(node.shape)}
+
+
+def shape_text(shape) -> str:
+    return "x".join(map(str, shape)) or "scalar"
 
 
 def profile_table(prof: dict) -> str:
@@ -362,6 +382,11 @@ def profile_table(prof: dict) -> str:
     for r in prof["ops_ms"]:
         if r["share"] >= 0.005:
             lines.append(f"| {r['phase']} | {r['op']} | {r['ms']} | {100 * r['share']:.1f}% |")
+    if prof["nodes_ms"]:
+        lines += ["", "| ms | phase | op | scope | reads -> writes |", "|---|---|---|---|---|"]
+        for r in prof["nodes_ms"]:
+            reads = ", ".join(map(shape_text, r["inputs"])) + (f" and {r['more_inputs']} more" if r["more_inputs"] else "")
+            lines.append(f"| {r['ms']} | {r['phase']} | {r['op']} | {r['scope']} | {reads} -> {shape_text(r['shape'])} |")
     return "\n".join(lines)
 
 
@@ -428,10 +453,16 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="batches 1 and 8, 4 timed steps, no memory")
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     ap.add_argument("--profile", action="store_true", help="print graphlm's time per op kind instead")
+    ap.add_argument("--profile-nodes", type=int, default=0, metavar="N",
+                    help="with --profile, also the N slowest nodes (op, scope, shapes)")
     ap.add_argument("--json", default="benchmarks/train_step.json", help="JSON output ('-': stdout)")
     ap.add_argument("--markdown", help="also write the markdown table here")
     ap.add_argument("--child", choices=["graphlm", "torch", "torch_sdpa"], help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.profile_nodes < 0:
+        ap.error(f"--profile-nodes must be 0 or more, got {args.profile_nodes}")
+    if args.profile_nodes and not args.profile:
+        ap.error("--profile-nodes lists the slowest nodes of a profile: add --profile")
     THREADS, EXECUTOR = args.threads, args.executor
     numpy_executor.set_threads(args.threads)   # graphlm: the executor's threads, BLAS on one
     config = GPTConfig.preset("tinylm")
@@ -441,7 +472,7 @@ def main(argv=None) -> int:
         return 0
     if args.profile:
         for b in args.batches if not args.quick else [8]:
-            prof = profile(config, b, 3 if args.quick else 7)
+            prof = profile(config, b, 3 if args.quick else 7, args.profile_nodes)
             print(profile_table(prof))
             print(json.dumps(prof))
         return 0
