@@ -57,6 +57,7 @@ from graphlm import executors  # noqa: E402
 from graphlm.executors import numpy as numpy_executor  # noqa: E402
 from graphlm.executors.native.products import large_products_by  # noqa: E402
 from graphlm.executors.numpy.pool import blas_core  # noqa: E402
+from graphlm.ir import fmt_shape  # noqa: E402
 import graphlm as gl  # noqa: E402
 from graphlm.models import GPT, GPTConfig  # noqa: E402
 from graphlm.nn import DROPOUT_KEY  # noqa: E402
@@ -371,10 +372,6 @@ def node_row(node, sec: float) -> dict:
             "inputs": reads[:4], "more_inputs": len(reads[4:]), "shape": list(node.shape)}
 
 
-def shape_text(shape) -> str:
-    return "x".join(map(str, shape)) or "scalar"
-
-
 def profile_table(prof: dict) -> str:
     lines = [f"batch {prof['batch']}: {prof['total_ms']} ms in kernels; "
              + ", ".join(f"{k} {v} ms" for k, v in prof["phases_ms"].items()),
@@ -385,8 +382,8 @@ def profile_table(prof: dict) -> str:
     if prof["nodes_ms"]:
         lines += ["", "| ms | phase | op | scope | reads -> writes |", "|---|---|---|---|---|"]
         for r in prof["nodes_ms"]:
-            reads = ", ".join(map(shape_text, r["inputs"])) + (f" and {r['more_inputs']} more" if r["more_inputs"] else "")
-            lines.append(f"| {r['ms']} | {r['phase']} | {r['op']} | {r['scope']} | {reads} -> {shape_text(r['shape'])} |")
+            reads = ", ".join(map(fmt_shape, r["inputs"])) + (f" and {r['more_inputs']} more" if r["more_inputs"] else "")
+            lines.append(f"| {r['ms']} | {r['phase']} | {r['op']} | {r['scope']} | {reads} -> {fmt_shape(r['shape'])} |")
     return "\n".join(lines)
 
 
