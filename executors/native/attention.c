@@ -34,18 +34,18 @@ void gl_causal_softmax_block(float *s, float *l, int64_t nmat, int64_t rows, int
         }
 }
 
+/* ds = (s - d) * E over the first n of a row's keys, in place in s */
+static inline void softmax_ds_row(float *restrict x, const float *restrict e, float d, int64_t n) {
+    for (int64_t j = 0; j < n; j++) x[j] = (x[j] - d) * e[j];
+}
+
 /* The softmax gradient's ds = (s - dd) * E over one query block, in place in s (dd one value
  * per row, at dd[m*dd_stride + i]): the numpy kernel's two passes, rounded the same way. */
 void gl_softmax_ds_block(float *s, const float *e, const float *dd, int64_t nmat, int64_t rows,
                          int64_t cols, int64_t dd_stride) {
-    for (int64_t m = 0; m < nmat; m++) {
-        for (int64_t i = 0; i < rows; i++) {
-            float *x = s + (m * rows + i) * cols;
-            const float *er = e + (m * rows + i) * cols;
-            float d = dd[m * dd_stride + i];
-            for (int64_t j = 0; j < cols; j++) x[j] = (x[j] - d) * er[j];
-        }
-    }
+    for (int64_t m = 0; m < nmat; m++)
+        for (int64_t i = 0; i < rows; i++)
+            softmax_ds_row(s + (m * rows + i) * cols, e + (m * rows + i) * cols, dd[m * dd_stride + i], cols);
 }
 
 /* ---- causal attention whole in C: the numpy kernel's steps, its products as BLAS calls -------- */
@@ -161,6 +161,68 @@ static float *score_block(float *e, const int64_t *plan, int64_t b, int64_t m) {
     return e + plan[P_M] * before + m * (bound[b + 1] - bound[b]) * bound[b + 1];
 }
 
+/* ---- the causal strips: the products of a query block stop where the mask does ---------------
+ *
+ * Query block [r0, r1) (rows = r1 - r0 queries, keys [0, r1)) runs its products in C (P_OWN) in
+ * strips of CAUSAL_STRIP of its rows [s0, s1), each reading the keys [0, r0 + s1) its last query
+ * sees: its scores (to the next multiple of 32 keys, the kernels' widest block; the rest of a
+ * row is masked and never read), ds, and the weighted sums over those keys. The key and value
+ * gradients, sums over the block's queries, take the diagonal's keys in strips too, each from
+ * the first query that sees it. A term left out has a weight (E or ds) of 0 under the mask, and
+ * every element's chain of fused multiply-adds starts from +0, to which a +-0 term adds nothing:
+ * the same bits as the whole block for finite inputs, with a fifth to a quarter less product
+ * work at 64-query blocks (docs/performance.md). Products by the plan's sgemm stay whole (a
+ * BLAS's rounding may depend on the shape). */
+#define CAUSAL_STRIP 8
+
+static inline int64_t strip_end(int64_t s0, int64_t rows) { return s0 + CAUSAL_STRIP < rows ? s0 + CAUSAL_STRIP : rows; }
+
+/* The keys the strip ending at block row s1 reads: up to its last query's own */
+static inline int64_t strip_keys(int64_t r0, int64_t s1) { return r0 + s1; }
+
+/* c [rows, r1] = a @ x^T over keys [0, r1), the block's scores (a: its rows' queries, lda apart;
+ * x: the matrix's keys, or xt their transpose: plan_product_nt), strip by strip */
+static void causal_scores(const int64_t *plan, int64_t rows, int64_t r0, int64_t r1, int64_t d, const float *a,
+                          int64_t lda, const float *x, int64_t ldx, const float *xt, float *c) {
+    if (!xt) {
+        plan_product_nt(plan, rows, r1, d, a, lda, x, ldx, xt, c, r1);
+        return;
+    }
+    for (int64_t s0 = 0; s0 < rows; s0 += CAUSAL_STRIP) {
+        const int64_t s1 = strip_end(s0, rows), n = (strip_keys(r0, s1) + 31) / 32 * 32;
+        plan_product_nt(plan, s1 - s0, n < r1 ? n : r1, d, a + s0 * lda, lda, x, ldx, xt, c + s0 * r1, r1);
+    }
+}
+
+/* c [rows, d] (rows ldc apart) = w @ b over keys [0, r1): a block's weights w [rows, r1] (E or
+ * ds, 0 past each row's own key) times the matrix's values or keys b (rows ldb apart) */
+static void causal_weighted(const int64_t *plan, int64_t rows, int64_t r0, int64_t r1, int64_t d, const float *w,
+                            const float *b, int64_t ldb, float *c, int64_t ldc) {
+    if (!plan[P_OWN]) {
+        plan_product(plan, 0, rows, d, r1, w, r1, b, ldb, c, ldc);
+        return;
+    }
+    for (int64_t s0 = 0; s0 < rows; s0 += CAUSAL_STRIP) {
+        const int64_t s1 = strip_end(s0, rows);
+        nn_product(w + s0 * r1, b, c + s0 * ldc, s1 - s0, strip_keys(r0, s1), r1, ldb, ldc, 0, d);
+    }
+}
+
+/* c [r1, d] (rows ldc apart) = w^T @ b over the block's queries: w [rows, r1] as above, b the
+ * queries' rows (ldb apart, the block's first first); keys before r0 from every query, each
+ * strip of the diagonal's keys from the first query that reaches it */
+static void causal_weighted_t(const int64_t *plan, int64_t rows, int64_t r0, int64_t r1, int64_t d, const float *w,
+                              const float *b, int64_t ldb, float *c, int64_t ldc) {
+    if (!plan[P_OWN]) {
+        plan_product(plan, 1, r1, d, rows, w, r1, b, ldb, c, ldc);
+        return;
+    }
+    if (r0 > 0) nn_product_ta(w, b, c, r0, rows, r1, ldb, ldc, 0, d);
+    for (int64_t s0 = 0; s0 < rows; s0 += CAUSAL_STRIP)
+        nn_product_ta(w + s0 * r1 + r0 + s0, b + s0 * ldb, c + (r0 + s0) * ldc, strip_end(s0, rows) - s0, rows - s0,
+                      r1, ldb, ldc, 0, d);
+}
+
 /* Forward, arrays q, k, v, o, E, l (t per matrix), qs (q * scale, t x d: the scratch of the
  * range's first matrix m0, reused for each of its matrices, so that it stays in cache): per query
  * block E = exp(qs @ k^T - rowmax) under the causal mask (gl_causal_softmax_block), l = rowsum(E),
@@ -180,22 +242,36 @@ void gl_causal_attention(const int64_t *plan, int64_t m0, int64_t m1, float scal
         for (int64_t b = 0; b < nb; b++) {
             int64_t r0 = bound[b], r1 = bound[b + 1];
             float *x = score_block(e, plan, b, m);
-            plan_product_nt(plan, r1 - r0, r1, d, qsm + r0 * d, d, km, ld[1], kt, x, r1);
+            causal_scores(plan, r1 - r0, r0, r1, d, qsm + r0 * d, d, km, ld[1], kt, x);
             gl_causal_softmax_block(x, lm + r0, 1, r1 - r0, r1, r0, 0);
-            plan_product(plan, 0, r1 - r0, d, r1, x, r1, vm, ld[2], om + r0 * ldo, ldo);
+            causal_weighted(plan, r1 - r0, r0, r1, d, x, vm, ld[2], om + r0 * ldo, ldo);
         }
         for (int64_t i = 0; i < t; i++)
             for (int64_t j = 0; j < d; j++) om[i * ldo + j] /= lm[i];
     }
 }
 
-/* out [m, n] (rows ldo apart) += a^T @ b (a stored [k, m]): the product into tmp (m x n,
- * contiguous), then added */
-static void add_product(const int64_t *plan, int64_t m, int64_t n, int64_t k, const float *a, int64_t lda,
+/* ds = (s - dd) * E over a block [rows, r1] (gl_softmax_ds_block), where the products in C read
+ * it: each strip's rows up to its keys (the rest of s was not computed) */
+static void causal_ds(const int64_t *plan, int64_t rows, int64_t r0, int64_t r1, float *s, const float *e,
+                      const float *dd) {
+    if (!plan[P_OWN]) {
+        gl_softmax_ds_block(s, e, dd, 1, rows, r1, 0);
+        return;
+    }
+    for (int64_t s0 = 0; s0 < rows; s0 += CAUSAL_STRIP) {
+        const int64_t s1 = strip_end(s0, rows);
+        for (int64_t i = s0; i < s1; i++) softmax_ds_row(s + i * r1, e + i * r1, dd[i], strip_keys(r0, s1));
+    }
+}
+
+/* out [r1, d] (rows ldo apart) += w^T @ b over a block's queries (causal_weighted_t): the
+ * product into tmp (r1 x d, contiguous), then added */
+static void add_product(const int64_t *plan, int64_t rows, int64_t r0, int64_t r1, int64_t d, const float *w,
                         const float *b, int64_t ldb, float *tmp, float *out, int64_t ldo) {
-    plan_product(plan, 1, m, n, k, a, lda, b, ldb, tmp, n);
-    for (int64_t i = 0; i < m; i++)
-        for (int64_t j = 0; j < n; j++) out[i * ldo + j] += tmp[i * n + j];
+    causal_weighted_t(plan, rows, r0, r1, d, w, b, ldb, tmp, d);
+    for (int64_t i = 0; i < r1; i++)
+        for (int64_t j = 0; j < d; j++) out[i * ldo + j] += tmp[i * d + j];
 }
 
 /* dd[i] = (g[i] . o[i]) / l[i] for the rows [0, t) of g and o (d floats each, rows ldg and ldo
@@ -259,17 +335,17 @@ void gl_causal_attention_backward(const int64_t *plan, int64_t m0, int64_t m1, f
             int64_t r0 = bound[b], r1 = bound[b + 1], last = b == nb - 1;
             float *s = score_block(ds, plan, b, m0);
             const float *x = score_block((float *)e, plan, b, m);
-            plan_product_nt(plan, r1 - r0, r1, d, gs + r0 * d, d, vm, ld[2], vt, s, r1);
-            gl_softmax_ds_block(s, x, dd + r0, 1, r1 - r0, r1, 0);
-            plan_product(plan, 0, r1 - r0, d, r1, s, r1, km, ld[1], dq + r0 * ldd, ldd);
+            causal_scores(plan, r1 - r0, r0, r1, d, gs + r0 * d, d, vm, ld[2], vt, s);
+            causal_ds(plan, r1 - r0, r0, r1, s, x, dd + r0);
+            causal_weighted(plan, r1 - r0, r0, r1, d, s, km, ld[1], dq + r0 * ldd, ldd);
             if (last)
-                plan_product(plan, 1, r1, d, r1 - r0, s, r1, qm + r0 * ld[0], ld[0], dk, ldd);
+                causal_weighted_t(plan, r1 - r0, r0, r1, d, s, qm + r0 * ld[0], ld[0], dk, ldd);
             else
-                add_product(plan, r1, d, r1 - r0, s, r1, qm + r0 * ld[0], ld[0], tmp, dk, ldd);
+                add_product(plan, r1 - r0, r0, r1, d, s, qm + r0 * ld[0], ld[0], tmp, dk, ldd);
             if (last)
-                plan_product(plan, 1, r1, d, r1 - r0, x, r1, gs + r0 * d, d, dv, ldd);
+                causal_weighted_t(plan, r1 - r0, r0, r1, d, x, gs + r0 * d, d, dv, ldd);
             else
-                add_product(plan, r1, d, r1 - r0, x, r1, gs + r0 * d, d, tmp, dv, ldd);
+                add_product(plan, r1 - r0, r0, r1, d, x, gs + r0 * d, d, tmp, dv, ldd);
         }
         for (int64_t i = 0; i < t; i++)
             for (int64_t j = 0; j < d; j++) {
