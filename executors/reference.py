@@ -388,6 +388,11 @@ def matmul_sum(node, a, b):
     return np.matmul(pa.reshape(sa), pb.reshape(sb)).reshape(node.shape)
 
 
+@kernel("matmul_accumulate")
+def matmul_accumulate(node, a, b):
+    return np.sum(np.matmul(a, b), axis=0, keepdims=node.attrs["keepdims"])
+
+
 @kernel("panel_matmul")
 def panel_matmul(node, x, panels, *bias):
     *batch, c, k, w = panels.shape

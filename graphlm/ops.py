@@ -1567,6 +1567,27 @@ register("matmul_sum", _infer_matmul_sum, rounds_like_decomposition=False,
          vjp_doc="through its decomposition")
 
 
+# --- matmul_accumulate: the batched products of a sum added up in order ------------------------------
+# sum(a @ b, axis 0) where the axis does not fold into the contraction as a view (matmul_sum): the
+# input gradient of the fused QKV product, sum over q, k, v of dqkv[j] @ W[j]^T. Each product rounds
+# as that product alone and is added to the ones before it in order, as the sum of the stored
+# products does; the native executor has its BLAS add each product into the output (a GEMM's
+# beta = 1), so the [S, m, n] products are never stored (graphlm/passes/matmul_accumulate.py).
+def _infer_matmul_accumulate(inputs, attrs):
+    shape, dtype = _infer_matmul(inputs, attrs)
+    if len(shape) != 3 or tuple(attrs["axes"]) != (0,):
+        raise ShapeError(f"matmul_accumulate sums the batch axis of a 3-D product, got axes {attrs['axes']} "
+                         f"of {fmt_shape(shape)}")
+    return _reduced_shape(shape, attrs["axes"], attrs["keepdims"]), dtype
+
+
+register("matmul_accumulate", _infer_matmul_accumulate,
+         decompose=lambda a, b, axes, keepdims: sum(matmul(a, b), axes, keepdims),
+         doc="sum(a @ b) over the batch axis of a 3-D product, the products added in order (the "
+             "decomposition's rounding; the native executor accumulates them in its output)",
+         vjp_doc="through its decomposition")
+
+
 # --- panel_matmul: x @ B (+ bias), B held in column panels -------------------------------------
 # B [..., k, n] stored as panels [..., C, k, W]: panel c holds B's columns [cW, cW + W) as k rows of
 # W floats one after the other, the last one zero-padded past column n (`to_panels`). A product

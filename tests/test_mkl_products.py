@@ -120,7 +120,7 @@ def test_a_training_step_takes_mkl_products_and_the_flag_puts_back_openblas(monk
     prog = executors.get("native").compile(g, outputs)
     got = prog.run(feeds, state)
     large = [(s, n) for s, n in zip(prog._steps, prog._step_nodes)
-             if n.op in ("matmul", "matmul_sum") and n.shape[-2] > native.products.SMALL_ROWS]
+             if n.op in ("matmul", "matmul_sum", "matmul_accumulate") and n.shape[-2] > native.products.SMALL_ROWS]
     assert large and all(getattr(s, "mkl_product", False) == mkl for s, _ in large)
     assert all(prog.rounds_own_way(n) for _, n in large) == (mkl or native.products.large_products_in_c())
     want = executors.get("reference").compile(g, outputs).run(feeds, state)
@@ -147,6 +147,36 @@ def test_a_training_step_gives_the_same_bits_on_1_2_and_3_threads(monkeypatch, m
     for other in runs[1:]:
         for a, e in zip(other, runs[0]):
             assert np.array_equal(np.asarray(a).view(np.int32), np.asarray(e).view(np.int32))
+
+
+@pytest.mark.threads
+@pytest.mark.parametrize("mkl", [True, False])
+def test_the_accumulated_qkv_input_gradient_has_the_bits_of_its_products_and_their_sum(monkeypatch, mkl):
+    """The matmul_accumulate pass changes no bit: a training step with it (the QKV input gradient's
+    products added as oneMKL stores them, or computed alone and added without oneMKL) against the
+    same step without it, on 1, 2 and 3 threads (its cut chain on 2 and 3)."""
+    from graphlm import executors
+    from graphlm.passes import pipelines
+    monkeypatch.setattr(native.products, "MKL_PRODUCTS", mkl)
+    monkeypatch.setattr(native.products, "LARGE_PRODUCTS_IN_C", None)
+    monkeypatch.setattr(numpy_executor.pool, "MIN_SPLIT_FLOPS", 1 << 12)
+    monkeypatch.setattr(native.products, "MIN_SPLIT_FLOPS", 1 << 12)
+    g, outputs, feeds, state = _training_step(batch=32)
+    with_pass = executors.get("native").compile(g, outputs)
+    native_passes = tuple(p for p in pipelines.PIPELINES["native"] if p.name != "matmul_accumulate")
+    monkeypatch.setitem(pipelines.PIPELINES, "native", native_passes)
+    without = executors.get("native").compile(g, outputs)
+    try:
+        for threads in (1, 2, 3):
+            numpy_executor.set_threads(threads)
+            for a, e in zip(with_pass.run(feeds, state), without.run(feeds, state)):
+                assert np.array_equal(np.asarray(a).view(np.int32), np.asarray(e).view(np.int32)), threads
+    finally:
+        numpy_executor.set_threads(1)
+    assert "matmul_accumulate" not in [n.op for n in without._step_nodes]
+    steps = [s for s, n in zip(with_pass._steps, with_pass._step_nodes) if n.op == "matmul_accumulate"]
+    assert len(steps) == 1 and getattr(steps[0], "mkl_product", False) == mkl
+    assert not mkl or (steps[0].tables[2] is not None and steps[0].tables[3] is not None)   # (cut on the team)
 
 
 @pytest.mark.parametrize("value,want", [("openblas", False), ("OpenBLAS", False), ("mkl", True), ("", None)])

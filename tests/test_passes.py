@@ -16,6 +16,7 @@ from graphlm.passes.bias_dropout_add import BIAS_DROPOUT_ADD
 from graphlm.passes.bias_gelu import BIAS_GELU
 from graphlm.passes.dropout_masks import DROPOUT_MASKS
 from graphlm.passes.kept_values import KEPT_STATISTICS, KEPT_VALUES
+from graphlm.passes.matmul_accumulate import MATMUL_ACCUMULATE
 from graphlm.passes.matmul_sum import MATMUL_SUM
 from graphlm.passes.merged_heads import MERGED_HEADS
 from graphlm.passes.panel_weights import PANEL_WEIGHTS, panel_params
@@ -69,6 +70,46 @@ def test_matmul_sum_is_left_alone_where_the_product_has_another_use_or_folds_onl
     h = g.input("h", (4, 5, 3))
     gx = gl.sum(h @ gl.swapaxes(w, -1, -2), axis=0)
     assert "matmul_sum" not in ops_of(passes.rewrite(g, [gx], MATMUL_SUM).graph)
+
+
+def test_matmul_accumulate_takes_the_qkv_input_gradient_that_matmul_sum_leaves():
+    """x [1, N, C] @ w [3, C, C]: x's gradient sums g[j] @ w[j]^T over j, whose w^T folds only by a
+    copy; after matmul_sum, the sum and its product are one matmul_accumulate node, the same bits."""
+    g = gl.Graph("qkv")
+    x = g.input("x", (1, 6, 4))
+    w = g.param("w", (3, 4, 4))
+    loss = gl.sum(gl.tanh(x @ w))
+    (gx,) = gl.grad(loss, [x])
+    rng = np.random.default_rng(0)
+    feeds, state = {"x": rng.standard_normal((1, 6, 4)).astype(np.float32)}, {"w": rng.standard_normal((3, 4, 4)).astype(np.float32)}
+    rw = passes.run_pipeline((MATMUL_SUM, MATMUL_ACCUMULATE), g, [loss, gx])
+    assert ops_of(rw.graph).count("matmul_accumulate") == 1 and "matmul_sum" not in ops_of(rw.graph)
+    acc = next(n for n in rw.graph.nodes if n.op == "matmul_accumulate")
+    assert acc.shape == (1, 6, 4) and acc.attrs["made_by"] == "matmul_accumulate"
+    got = REF.compile(rw.graph, rw.outputs).run(feeds, state)
+    want = REF.compile(g, [loss, gx]).run(feeds, state)
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(got, want))
+
+
+def test_matmul_accumulate_is_left_alone_where_the_products_are_read_or_the_sum_is_another():
+    g = gl.Graph("acc")
+    a, b = g.input("a", (3, 5, 4)), g.input("b", (3, 4, 2))
+    p = a @ b
+    assert "matmul_accumulate" not in ops_of(passes.rewrite(g, [gl.sum(p, axis=0), p], MATMUL_ACCUMULATE).graph)
+    for other in (gl.sum(a @ b, axis=1), gl.sum(a @ b), gl.sum(g.input("c", (2, 3, 5, 4)) @ b, axis=0)):
+        assert "matmul_accumulate" not in ops_of(passes.rewrite(g, [other], MATMUL_ACCUMULATE).graph)
+    d = g.input("d", (3, 5, 4), "float64")
+    assert "matmul_accumulate" not in ops_of(passes.rewrite(g, [gl.sum(d @ gl.cast(b, "float64"), axis=0)],
+                                                          MATMUL_ACCUMULATE).graph)
+
+
+def test_matmul_accumulate_names_the_op_on_a_sum_it_does_not_make():
+    g = gl.Graph("bad")
+    a, b = g.input("a", (2, 3, 5, 4)), g.input("b", (4, 2))
+    with pytest.raises(gl.ShapeError, match=r"matmul_accumulate.*sums the batch axis of a 3-D product"):
+        gl.apply("matmul_accumulate", (a, b), axes=(0,), keepdims=False)
+    with pytest.raises(gl.ShapeError, match=r"matmul_accumulate.*got axes \(1,\)"):
+        gl.apply("matmul_accumulate", (a[0], b), axes=(1,), keepdims=False)
 
 
 @pytest.mark.parametrize("parts", [(0, 1, 2), (0, 2)])
@@ -742,7 +783,8 @@ def test_executors_declare_their_pipeline():
     from graphlm.passes.kept_values import KEPT_STATISTICS
     assert executors.get("native").pipeline == "native"
     assert passes.PIPELINES["native"] == (MATMUL_SUM, SLICE_GRADIENTS, ATTENTION_SOFTMAX, DROPOUT_MASKS, KEPT_STATISTICS,
-                                          AFFINE_GRADS, RESIDUAL_NORM_BACKWARD, BIAS_DROPOUT_ADD, BIAS_GELU, MERGED_HEADS)
+                                          MATMUL_ACCUMULATE, AFFINE_GRADS, RESIDUAL_NORM_BACKWARD, BIAS_DROPOUT_ADD,
+                                          BIAS_GELU, MERGED_HEADS)
     assert [r.name for r in KEPT_STATISTICS.rules] == [r.name for r in KEPT_VALUES.rules if "GELU" not in r.name]
 
 

@@ -196,8 +196,11 @@ __attribute__((visibility("hidden"))) void nn_product_ta(const float *at, const 
                                                          int64_t k, int64_t lda, int64_t ldb, int64_t ldo,
                                                          int64_t j0, int64_t j1);
 
-/* products.c: c = op(a) @ op(b) by a cblas_sgemm (attention.c's fallback; team.c's BLAS pieces) */
+/* products.c: c = op(a) @ op(b) by a cblas_sgemm (attention.c's fallback), + c where `accumulate`
+ * (team.c's BLAS pieces) */
 void gl_sgemm(int64_t sgemm, int64_t width, int ta, int tb, int64_t m, int64_t n, int64_t k, const float *a,
               int64_t lda, const float *b, int64_t ldb, float *c, int64_t ldc);
+void gl_sgemm_acc(int64_t sgemm, int64_t width, int ta, int tb, int64_t m, int64_t n, int64_t k, const float *a,
+                  int64_t lda, const float *b, int64_t ldb, float *c, int64_t ldc, int accumulate);
 
 #endif

@@ -10,17 +10,24 @@ typedef void (*sgemm64_fn)(int, int, int, int64_t, int64_t, int64_t, float, cons
 typedef void (*sgemm32_fn)(int, int, int, int32_t, int32_t, int32_t, float, const float *, int32_t,
                            const float *, int32_t, float, float *, int32_t);
 
-/* c = op(a) @ op(b) by the cblas_sgemm at `sgemm` (op(a) m x k, op(b) k x n; row-major, alpha 1,
- * beta 0; ta / tb: that operand transposed); `width` 2: it takes 64-bit integers, 3: 32-bit (the
- * team's piece kinds). The one place graphlm calls a BLAS from C (team.c's BLAS pieces too). */
-void gl_sgemm(int64_t sgemm, int64_t width, int ta, int tb, int64_t m, int64_t n, int64_t k, const float *a,
-              int64_t lda, const float *b, int64_t ldb, float *c, int64_t ldc) {
+/* c = op(a) @ op(b) (+ c where `accumulate`) by the cblas_sgemm at `sgemm` (op(a) m x k, op(b)
+ * k x n; row-major, alpha 1, beta 0 or 1; ta / tb: that operand transposed); `width` 2: it takes
+ * 64-bit integers, 3: 32-bit (the team's piece kinds). The one place graphlm calls a BLAS from C
+ * (team.c's BLAS pieces too). */
+void gl_sgemm_acc(int64_t sgemm, int64_t width, int ta, int tb, int64_t m, int64_t n, int64_t k, const float *a,
+                  int64_t lda, const float *b, int64_t ldb, float *c, int64_t ldc, int accumulate) {
     int oa = ta ? CBLAS_T : CBLAS_NO, ob = tb ? CBLAS_T : CBLAS_NO;
+    float beta = accumulate ? 1.0f : 0.0f;
     if (width == 2)
-        ((sgemm64_fn)(intptr_t)sgemm)(CBLAS_ROW_MAJOR, oa, ob, m, n, k, 1.0f, a, lda, b, ldb, 0.0f, c, ldc);
+        ((sgemm64_fn)(intptr_t)sgemm)(CBLAS_ROW_MAJOR, oa, ob, m, n, k, 1.0f, a, lda, b, ldb, beta, c, ldc);
     else
         ((sgemm32_fn)(intptr_t)sgemm)(CBLAS_ROW_MAJOR, oa, ob, (int32_t)m, (int32_t)n, (int32_t)k, 1.0f,
-                                      a, (int32_t)lda, b, (int32_t)ldb, 0.0f, c, (int32_t)ldc);
+                                      a, (int32_t)lda, b, (int32_t)ldb, beta, c, (int32_t)ldc);
+}
+
+void gl_sgemm(int64_t sgemm, int64_t width, int ta, int tb, int64_t m, int64_t n, int64_t k, const float *a,
+              int64_t lda, const float *b, int64_t ldb, float *c, int64_t ldc) {
+    gl_sgemm_acc(sgemm, width, ta, tb, m, n, k, a, lda, b, ldb, c, ldc, 0);
 }
 /* ---- small products: matmuls of few rows (executors/native/products.py) --------- */
 

@@ -38,7 +38,8 @@ import numpy as np
 
 from graphlm.passes.panel_weights import PANEL_WIDTH   # (the panels gl_matmul_panels takes)
 
-from ..numpy.matmul import matmul_closure, matmul_parts, matmul_sum_closure, probe_like, same_bits, strided_empty
+from ..numpy.matmul import (accumulate_operands, matmul_accumulate_closure, matmul_closure, matmul_parts,
+                            matmul_sum_closure, probe_like, same_bits, strided_empty)
 from ..numpy.pool import MIN_SPLIT_FLOPS, blas_core
 from ..numpy.tiling import even_cuts
 from .build import cpu_flags, cpu_vendor, library
@@ -299,9 +300,10 @@ def _blas_operand(x) -> tuple[int, int] | None:
 
 
 def sgemm_calls(a, b, out) -> list[tuple] | None:
-    """The cblas_sgemm calls [(transa, transb, m, n, k, a, lda, b, ldb, c, ldc), ...] that compute
-    ``a @ b -> out`` (a batch entry one call each), or None where it is not made of plain float32
-    GEMMs (a vector, an output NumPy would write transposed, a @ a.T, which NumPy hands to syrk)."""
+    """The cblas_sgemm calls [(transa, transb, m, n, k, a, lda, b, ldb, c, ldc, accumulate), ...]
+    that compute ``a @ b -> out`` (a batch entry one call each; accumulate 0), or None where it is
+    not made of plain float32 GEMMs (a vector, an output NumPy would write transposed, a @ a.T,
+    which NumPy hands to syrk)."""
     if out.dtype != np.float32 or a.dtype != np.float32 or b.dtype != np.float32 or min(a.ndim, b.ndim) < 2:
         return None
     batch = out.shape[:-2]
@@ -313,7 +315,7 @@ def sgemm_calls(a, b, out) -> list[tuple] | None:
         ta, tb, to = _blas_operand(ae), _blas_operand(be), _blas_operand(oe)
         if None in (ta, tb, to) or to[0] or min(m, n, k) < 2 or ptr(ae) == ptr(be):
             return None
-        calls.append((ta[0], tb[0], m, n, k, ptr(ae), ta[1], ptr(be), tb[1], ptr(oe), to[1]))
+        calls.append((ta[0], tb[0], m, n, k, ptr(ae), ta[1], ptr(be), tb[1], ptr(oe), to[1], 0))
     return calls
 
 
@@ -343,7 +345,7 @@ def blas_team_tables(a, b, out, threads, sgemm):
             if lo <= address < lo + size:
                 return address - lo + to
         raise ValueError("a piece's operand outside its product")
-    probe = [[c[:5] + (moved(c[5]), c[6], moved(c[7]), c[8], moved(c[9]), c[10]) for c in piece] for piece in calls]
+    probe = [[c[:5] + (moved(c[5]), c[6], moved(c[7]), c[8], moved(c[9]), *c[10:]) for c in piece] for piece in calls]
     table, _keep = _sgemm_tables(probe, sgemm)
     library().gl_team_run(table.ctypes.data, len(table))
     return _sgemm_tables(calls, sgemm) if same_bits(got, want) else None
@@ -459,3 +461,60 @@ def _matmul(node, out, ins, scratch):
 @native_kernel("matmul_sum", rounds_own_way=_own_rounding)
 def _matmul_sum(node, out, ins, scratch):
     return matmul_sum_closure(node, out, ins, product_closure)
+
+
+def mkl_accumulate_closure(a, b, out):
+    """matmul_accumulate ``sum(a[s] @ b[s]) -> out`` as oneMKL calls where `mkl_products()` and each
+    product is one plain GEMM, else None: product 0 written, each later one added by the GEMM itself
+    (beta 1), so no product is stored. Used only where that chain gives the bits of the products
+    computed alone and added in order (tried once on random operands: a BLAS adds C as it likes).
+    On n threads, the cut matmul_parts finds exact for product 0 (the others have its shapes and
+    strides), each piece making its S calls in order."""
+    if not mkl_products():
+        return None
+    a3, b3, total = accumulate_operands(a, b, out)
+    calls = [sgemm_calls(a3[s], b3[s], total) for s in range(len(a3))]
+    if None in calls or not _chain_adds_in_order(a3, b3, total):
+        return None
+    table, words = _mkl_tables([_chain(a3, b3, calls[0][0])])
+    team = library().gl_team_run
+
+    def whole():
+        team(table.ctypes.data, 1)
+
+    def tables_for(threads):
+        flops = 2 * total.size * a3.shape[-1] * len(a3)
+        parts = matmul_parts(a3[0], b3[0], total, threads, mkl_matmul) if flops >= MIN_SPLIT_FLOPS else []
+        cut = [sgemm_calls(*part) for part in parts]
+        return _mkl_tables([_chain(a3, b3, c[0]) for c in cut]) if len(cut) > 1 and None not in cut else None
+    run = team_closure(whole, tables_for, whole_piece=tuple(table[0]))
+    run.arrays = (a, b, out, table, words)   # (the tables' addresses point into these)
+    run.mkl_product = True
+    return run
+
+
+def _chain(a3, b3, call) -> list[tuple]:
+    """The S calls of one piece of matmul_accumulate from its call for product 0 (a3[s], b3[s]
+    have product 0's shapes and strides: the same call at shifted addresses, adding from s = 1)."""
+    return [call[:5] + (call[5] + ptr(a3[s]) - ptr(a3[0]), call[6], call[7] + ptr(b3[s]) - ptr(b3[0]),
+                        *call[8:11], int(s > 0)) for s in range(len(a3))]
+
+
+def _chain_adds_in_order(a3, b3, total) -> bool:
+    """Whether oneMKL's accumulating chain gives, on random operands of these shapes and strides,
+    the bits of each product computed alone and added in order."""
+    rng = np.random.default_rng(0)
+    pa, pb, got = probe_like(a3, rng), probe_like(b3, rng), strided_empty(total)[0]
+    table, _keep = _mkl_tables([_chain(pa, pb, sgemm_calls(pa[0], pb[0], got)[0])])
+    library().gl_team_run(table.ctypes.data, 1)
+    want, one = strided_empty(total)[0], strided_empty(total)[0]
+    mkl_matmul(pa[0], pb[0], want)
+    for s in range(1, len(pa)):
+        mkl_matmul(pa[s], pb[s], one)
+        np.add(want, one, out=want)
+    return same_bits(got, want)
+
+
+@native_kernel("matmul_accumulate", rounds_own_way=_own_rounding)
+def _matmul_accumulate(node, out, ins, scratch):
+    return mkl_accumulate_closure(*ins, out) or matmul_accumulate_closure(out, ins, scratch, product_closure)

@@ -42,8 +42,9 @@ void gl_cached_attention(const float *q, const float *k, const float *v, const f
  *   kind 2 / 3: BLAS products, calls [c0, c1) of a table of cblas_sgemm calls (kind 2: the BLAS
  *       takes 64-bit integers, kind 3: 32-bit), each SGEMM_WORDS words:
  *       kind, sgemm (the BLAS's cblas_sgemm), calls (address), c0, c1
- *   a call: transa, transb, m, n, k, a, lda, b, ldb, c, ldc (row-major, alpha 1, beta 0: the
- *   call NumPy's matmul makes for that piece, which the executor checks bit for bit once)
+ *   a call: transa, transb, m, n, k, a, lda, b, ldb, c, ldc, accumulate (row-major, alpha 1,
+ *   beta 0: the call NumPy's matmul makes for that piece, which the executor checks bit for bit
+ *   once; accumulate 1: beta 1, c += the product, matmul_accumulate's later products)
  *   kind 4: gl_cached_attention's rows [r0, r1), its arguments in order (scale's float bits last):
  *       kind, q, k, v, cache_k, cache_v, out, scores, position, r0, r1, t, d, ldq, ldk, ldv, ldo,
  *       ldc, scale
@@ -58,20 +59,20 @@ void gl_cached_attention(const float *q, const float *k, const float *v, const f
  *       executors/native/team.py (`call_piece`) builds such pieces only on those platforms and only
  *       from a kernel's declared argument types. */
 #define PIECE_WORDS 19
-#define SGEMM_WORDS 11
+#define SGEMM_WORDS 12
 #define CALL_INTS 12
 #define CALL_FLOATS 4
 const int64_t gl_team_words[4] = {PIECE_WORDS, SGEMM_WORDS, CALL_INTS, CALL_FLOATS};   /* read by executors/native/team.py */
 
-void gl_sgemm(int64_t sgemm, int64_t width, int ta, int tb, int64_t m, int64_t n, int64_t k, const float *a,
-              int64_t lda, const float *b, int64_t ldb, float *c, int64_t ldc);   /* products.c */
+void gl_sgemm_acc(int64_t sgemm, int64_t width, int ta, int tb, int64_t m, int64_t n, int64_t k, const float *a,
+                  int64_t lda, const float *b, int64_t ldb, float *c, int64_t ldc, int accumulate);   /* products.c */
 
 static void run_sgemm_calls(const int64_t *p) {
     const int64_t *calls = (const int64_t *)(intptr_t)p[2];
     for (int64_t i = p[3]; i < p[4]; i++) {
         const int64_t *c = calls + i * SGEMM_WORDS;
-        gl_sgemm(p[1], p[0], (int)c[0], (int)c[1], c[2], c[3], c[4], (const float *)(intptr_t)c[5], c[6],
-                 (const float *)(intptr_t)c[7], c[8], (float *)(intptr_t)c[9], c[10]);
+        gl_sgemm_acc(p[1], p[0], (int)c[0], (int)c[1], c[2], c[3], c[4], (const float *)(intptr_t)c[5], c[6],
+                     (const float *)(intptr_t)c[7], c[8], (float *)(intptr_t)c[9], c[10], (int)c[11]);
     }
 }
 

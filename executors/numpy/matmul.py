@@ -180,3 +180,32 @@ def matmul_sum_closure(node, out, ins, product_closure):
             r()
         product()
     return run
+
+
+def accumulate_operands(a, b, out):
+    """matmul_accumulate's operands as [S, m, k] and [S, k, n] (broadcast) and its output as [m, n]."""
+    s = max(x.shape[0] for x in (a, b) if x.ndim == 3)
+    a3, b3 = (np.broadcast_to(x, (s,) + x.shape[-2:]) for x in (a, b))
+    return a3, b3, np.reshape(out, out.shape[-2:], copy=False)
+
+
+def matmul_accumulate_closure(out, ins, scratch, product_closure):
+    """``sum(a[s] @ b[s]) -> out`` over s in order, each product by ``product_closure(a_s, b_s,
+    dst)``: the first into out, each later one into the scratch and then added to out (the sum
+    of the stored products' order: ((p0 + p1) + p2) ...)."""
+    a3, b3, total = accumulate_operands(*ins, out)
+    (one,) = scratch
+    first = product_closure(a3[0], b3[0], total)
+    later = [product_closure(a3[s], b3[s], one) for s in range(1, len(a3))]
+
+    def run():
+        first()
+        for product in later:
+            product()
+            np.add(total, one, out=total)
+    return run
+
+
+@kernel("matmul_accumulate", scratch=lambda node, pos: [(node.shape[-2:], node.dtype)])
+def _matmul_accumulate(node, out, ins, scratch):
+    return matmul_accumulate_closure(out, ins, scratch, matmul_closure)

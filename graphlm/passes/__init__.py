@@ -17,9 +17,10 @@
   affine_grads.py (a layer norm's weight and bias gradients in one node),
   residual_norm_backward.py (a residual gradient added where a layer norm's backward writes), bias_dropout_add.py
   (a residual update after an output projection in one node), bias_gelu.py (an MLP's first bias
-  added where its GELU and the GELU's backward read it) and merged_heads.py (attention
+  added where its GELU and the GELU's backward read it), merged_heads.py (attention
   stores its results with the heads merged: the merge and the QKV gradient's assembly become
-  views): the native pipeline's, for its C kernels.
+  views) and matmul_accumulate.py (the QKV input gradient's three products added as stored):
+  the native pipeline's, for its C kernels.
 - pipelines.py: `PIPELINES`, the passes each executor runs (an executor names its pipeline).
 
 Every op a pass produces is registered in graphlm/ops.py ("ops the graph passes produce"; the

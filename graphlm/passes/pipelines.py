@@ -12,6 +12,7 @@ from .bias_dropout_add import BIAS_DROPOUT_ADD
 from .bias_gelu import BIAS_GELU
 from .dropout_masks import DROPOUT_MASKS
 from .kept_values import KEPT_STATISTICS, KEPT_VALUES
+from .matmul_accumulate import MATMUL_ACCUMULATE
 from .matmul_sum import MATMUL_SUM
 from .merged_heads import MERGED_HEADS
 from .residual_norm_backward import RESIDUAL_NORM_BACKWARD
@@ -23,9 +24,9 @@ _PLANNED = (MATMUL_SUM, SLICE_GRADIENTS, ATTENTION_SOFTMAX, DROPOUT_MASKS)   # b
 PIPELINES: dict[str, tuple[Pass, ...]] = {
     "none": (),
     "numpy": _PLANNED + (KEPT_VALUES,),
-    # kept_values without the GELU's sigmoid (kept_values.py says why); then five rewrites for C kernels
-    "native": _PLANNED + (KEPT_STATISTICS, AFFINE_GRADS, RESIDUAL_NORM_BACKWARD, BIAS_DROPOUT_ADD, BIAS_GELU,
-                          MERGED_HEADS),
+    # kept_values without the GELU's sigmoid (kept_values.py says why); then six rewrites for C kernels
+    "native": _PLANNED + (KEPT_STATISTICS, MATMUL_ACCUMULATE, AFFINE_GRADS, RESIDUAL_NORM_BACKWARD,
+                          BIAS_DROPOUT_ADD, BIAS_GELU, MERGED_HEADS),
 }
 
 
