@@ -38,14 +38,15 @@ import numpy as np
 
 from graphlm.passes.panel_weights import PANEL_WIDTH   # (the panels gl_matmul_panels takes)
 
-from ..numpy.matmul import (accumulate_operands, matmul_accumulate_closure, matmul_closure, matmul_parts,
-                            matmul_sum_closure, probe_like, same_bits, strided_empty)
+from ..numpy.matmul import (accumulate_operands, matmul_closure, matmul_parts, matmul_sum_closure, probe_like,
+                            same_bits, strided_empty)
 from ..numpy.pool import MIN_SPLIT_FLOPS, blas_core
 from ..numpy.tiling import even_cuts
 from .build import cpu_flags, cpu_vendor, library
 from .mkl import mkl_sgemm
 from .table import native_kernel
-from .team import TEAM_MIN_FLOPS, blas_sgemm, call_tables, entry_offsets, ptr, team_closure, team_table, team_words
+from .team import (TEAM_MIN_FLOPS, blas_sgemm, call_tables, entry_offsets, native_arrays, ptr, split_calls, team_closure,
+                   team_table, team_words)
 
 
 # == small products: matmuls of few rows (decoding) ==========================================================
@@ -500,9 +501,20 @@ def _chain(a3, b3, call) -> list[tuple]:
                         *call[8:11], int(s > 0)) for s in range(len(a3))]
 
 
+_chains_checked: dict[tuple, bool] = {}   # (shapes and strides) -> _chain_adds_in_order's answer
+
+
 def _chain_adds_in_order(a3, b3, total) -> bool:
     """Whether oneMKL's accumulating chain gives, on random operands of these shapes and strides,
-    the bits of each product computed alone and added in order."""
+    the bits of each product computed alone and added in order (tried once per shapes and
+    strides: GPT-2 small's twelve layers ask twelve times)."""
+    key = tuple((x.shape, x.strides) for x in (a3, b3, total))
+    if key not in _chains_checked:
+        _chains_checked[key] = _try_chain(a3, b3, total)
+    return _chains_checked[key]
+
+
+def _try_chain(a3, b3, total) -> bool:
     rng = np.random.default_rng(0)
     pa, pb, got = probe_like(a3, rng), probe_like(b3, rng), strided_empty(total)[0]
     table, _keep = _mkl_tables([_chain(pa, pb, sgemm_calls(pa[0], pb[0], got)[0])])
@@ -515,6 +527,29 @@ def _chain_adds_in_order(a3, b3, total) -> bool:
     return same_bits(got, want)
 
 
+def accumulate_on_team(a, b, out, scratch):
+    """matmul_accumulate without oneMKL's chain: each product by this executor's product_closure
+    (the first into out, each later one into the scratch), added to out by gl_binary_rows on the
+    team: the sum's additions in its order."""
+    a3, b3, total = accumulate_operands(a, b, out)
+    (one,) = scratch
+    if not native_arrays(total, one):
+        return None
+    first = product_closure(a3[0], b3[0], total)
+    later = [product_closure(a3[s], b3[s], one) for s in range(1, len(a3))]
+    rows, cols = total.shape
+    fn = library().gl_binary_rows
+    add = split_calls(lambda lo, hi: functools.partial(fn, ptr(total), ptr(one), ptr(total), lo, hi, cols, 1, rows, 0),
+                      rows, cols, (total, one))
+
+    def run():
+        first()
+        for product in later:
+            product()
+            add()
+    return run
+
+
 @native_kernel("matmul_accumulate", rounds_own_way=_own_rounding)
 def _matmul_accumulate(node, out, ins, scratch):
-    return mkl_accumulate_closure(*ins, out) or matmul_accumulate_closure(out, ins, scratch, product_closure)
+    return mkl_accumulate_closure(*ins, out) or accumulate_on_team(*ins, out, scratch)
