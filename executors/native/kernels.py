@@ -178,8 +178,13 @@ def _sum(node, out, ins, scratch):
             or axes[-1] == x.ndim - 1 or not native_arrays(x, out)):
         return None
     groups, rows = math.prod(x.shape[:axes[0]]), math.prod(x.shape[axes[0]:axes[-1] + 1])
-    cols = math.prod(x.shape[axes[-1] + 1:])
-    fn = library().gl_sum_rows   # (its columns: the groups' laid end to end)
+    return sum_rows_closure(x, out, groups, rows, math.prod(x.shape[axes[-1] + 1:]))
+
+
+def sum_rows_closure(x, out, groups: int, rows: int, cols: int):
+    """out[g] = the sum of x[g]'s `rows` rows of `cols` floats, in order (gl_sum_rows; contiguous
+    arrays), split over the team by columns (the groups' laid end to end)."""
+    fn = library().gl_sum_rows
     return split_calls(lambda lo, hi: functools.partial(fn, ptr(x), ptr(out), groups, rows, cols, lo, hi),
                        groups * cols, rows, (x, out))
 

@@ -38,15 +38,16 @@ import numpy as np
 
 from graphlm.passes.panel_weights import PANEL_WIDTH   # (the panels gl_matmul_panels takes)
 
-from ..numpy.matmul import (accumulate_operands, matmul_closure, matmul_parts, matmul_sum_closure, probe_like,
-                            same_bits, strided_empty)
+from ..numpy.matmul import (accumulate_operands, matmul_accumulate_closure, matmul_closure, matmul_parts,
+                            matmul_sum_closure, probe_like, same_bits, strided_empty)
 from ..numpy.pool import MIN_SPLIT_FLOPS, blas_core
 from ..numpy.tiling import even_cuts
 from .build import cpu_flags, cpu_vendor, library
+from .kernels import sum_rows_closure
 from .mkl import mkl_sgemm
 from .table import native_kernel
-from .team import (TEAM_MIN_FLOPS, blas_sgemm, call_tables, entry_offsets, native_arrays, ptr, split_calls, team_closure,
-                   team_table, team_words)
+from .team import (TEAM_MIN_FLOPS, blas_sgemm, call_tables, entry_offsets, native_arrays, ptr, team_closure, team_table,
+                   team_words)
 
 
 # == small products: matmuls of few rows (decoding) ==========================================================
@@ -527,29 +528,16 @@ def _try_chain(a3, b3, total) -> bool:
     return same_bits(got, want)
 
 
-def accumulate_on_team(a, b, out, scratch):
-    """matmul_accumulate without oneMKL's chain: each product by this executor's product_closure
-    (the first into out, each later one into the scratch), added to out by gl_binary_rows on the
-    team: the sum's additions in its order."""
-    a3, b3, total = accumulate_operands(a, b, out)
-    (one,) = scratch
-    if not native_arrays(total, one):
+def _sum_on_team(products, total):
+    """The batch axis of the [S, m, n] products summed into `total` by the native `sum`'s C kernel
+    on the team (matmul_accumulate where oneMKL's chain is not taken: the product and the sum it
+    replaced), or None where the arrays are not native."""
+    if not native_arrays(products, total):
         return None
-    first = product_closure(a3[0], b3[0], total)
-    later = [product_closure(a3[s], b3[s], one) for s in range(1, len(a3))]
-    rows, cols = total.shape
-    fn = library().gl_binary_rows
-    add = split_calls(lambda lo, hi: functools.partial(fn, ptr(total), ptr(one), ptr(total), lo, hi, cols, 1, rows, 0),
-                      rows, cols, (total, one))
-
-    def run():
-        first()
-        for product in later:
-            product()
-            add()
-    return run
+    return sum_rows_closure(products, total, 1, products.shape[0], total.size)
 
 
 @native_kernel("matmul_accumulate", rounds_own_way=_own_rounding)
 def _matmul_accumulate(node, out, ins, scratch):
-    return mkl_accumulate_closure(*ins, out) or accumulate_on_team(*ins, out, scratch)
+    return (mkl_accumulate_closure(*ins, out)
+            or matmul_accumulate_closure(out, ins, scratch, product_closure, sum_closure=_sum_on_team))

@@ -189,23 +189,28 @@ def accumulate_operands(a, b, out):
     return a3, b3, np.reshape(out, out.shape[-2:], copy=False)
 
 
-def matmul_accumulate_closure(out, ins, scratch, product_closure):
-    """``sum(a[s] @ b[s]) -> out`` over s in order, each product by ``product_closure(a_s, b_s,
-    dst)``: the first into out, each later one into the scratch and then added to out (the sum
-    of the stored products' order: ((p0 + p1) + p2) ...)."""
-    a3, b3, total = accumulate_operands(*ins, out)
-    (one,) = scratch
-    first = product_closure(a3[0], b3[0], total)
-    later = [product_closure(a3[s], b3[s], one) for s in range(1, len(a3))]
+def accumulate_scratch(node, pos):
+    """matmul_accumulate's scratch: the [S, m, n] products where they are stored and summed."""
+    s = max(x.shape[0] for x in node.inputs if x.ndim == 3)
+    return [((s,) + node.shape[-2:], node.dtype)]
+
+
+def matmul_accumulate_closure(out, ins, scratch, product_closure, sum_closure=None):
+    """``sum(a[s] @ b[s]) -> out`` as the decomposition computes it: the batched product by
+    ``product_closure(a, b, products)`` into the scratch, then its sum over the batch axis in
+    order, by ``sum_closure(products, out)`` where given (the native executor's C sum on its
+    team), else NumPy's."""
+    (products,) = scratch
+    product = product_closure(ins[0], ins[1], products)
+    total = np.reshape(out, out.shape[-2:], copy=False)
+    add_up = (sum_closure(products, total) if sum_closure else None) or functools.partial(np.sum, products, 0, out=total)
 
     def run():
-        first()
-        for product in later:
-            product()
-            np.add(total, one, out=total)
+        product()
+        add_up()
     return run
 
 
-@kernel("matmul_accumulate", scratch=lambda node, pos: [(node.shape[-2:], node.dtype)])
+@kernel("matmul_accumulate", scratch=accumulate_scratch)
 def _matmul_accumulate(node, out, ins, scratch):
     return matmul_accumulate_closure(out, ins, scratch, matmul_closure)
